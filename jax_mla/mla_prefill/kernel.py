@@ -1,0 +1,194 @@
+"""Pallas (Triton) varlen flash-attention forward with d_qk != d_v.
+
+Grid ``(q block within sequence, head, sequence + 1)``. Each program owns
+``block_q`` query rows of one sequence and one head, loops over the key blocks of
+the same sequence with an online base-2 softmax, and writes ``out`` and the
+natural-log LSE. Key blocks fully visible to every row run without masks; only
+the blocks on the causal diagonal or past the sequence end are masked.
+
+Triton arrays need power-of-two sizes, so the q/k head (192 for DeepSeek) is
+split into a power-of-two main part and a power-of-two rest (128 + 64) and the
+score is the sum of two dots. The extra last grid slot writes ``out = 0`` and
+``lse = +inf`` for tokens past ``cu_seqlens_q[-1]`` so every output is defined.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_mla._common import cdiv, next_pow2
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_MIN_TILE = 16  # smallest Triton dot tile
+
+
+def split_head_dim(d: int) -> tuple[int, int]:
+  """Splits a q/k head size into power-of-two parts ``(main, rest)``, rest possibly 0.
+
+  Raises ValueError when ``d`` is not a power of two or a sum of two powers of two
+  each >= 16 (192 -> (128, 64), 128 -> (128, 0), 576 -> (512, 64)).
+  """
+  main = 1 << (max(int(d), 1).bit_length() - 1)
+  rest = d - main
+  if main < _MIN_TILE or (rest and (rest < _MIN_TILE or rest & (rest - 1))):
+    raise ValueError(
+        f"the Pallas kernel needs a q/k head size that is a power of two or a sum of two "
+        f"powers of two, each >= {_MIN_TILE} (e.g. 192 = 128 + 64); got {d}")
+  return main, rest
+
+
+def _seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens):
+  """``[B + 1, 4]`` int32 rows ``(q_start, len_q, k_start, len_k)``; row B is the tail."""
+  q_start = cu_seqlens_q[:-1]
+  len_q = cu_seqlens_q[1:] - q_start
+  k_start = cu_seqlens_k[:-1]
+  len_k = cu_seqlens_k[1:] - k_start
+  tail_start = cu_seqlens_q[-1:]
+  tail = jnp.concatenate([tail_start, num_q_tokens - tail_start, jnp.zeros((2,), jnp.int32)])
+  rows = jnp.stack([q_start, len_q, k_start, len_k], axis=1)
+  return jnp.concatenate([rows, tail[None, :]], axis=0).astype(jnp.int32)
+
+
+def _store_rows(o_ref, lse_ref, start, rows_ok, out, lse):
+  plgpu.store(o_ref.at[pl.ds(start, out.shape[0]), :], out.astype(o_ref.dtype),
+              mask=rows_ok[:, None])
+  plgpu.store(lse_ref.at[pl.ds(start, out.shape[0])], lse, mask=rows_ok)
+
+
+def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, causal,
+                    block_q, block_k, d_main, d_rest, num_q_blocks, num_seqs):
+  qb = num_q_blocks - 1 - pl.program_id(0)  # heaviest causal blocks launch first
+  seq = pl.program_id(2)
+  q_start, len_q = info_ref[0], info_ref[1]
+  k_start, len_k = info_ref[2], info_ref[3]
+  d_v = v_ref.shape[-1]
+  row_ids = jnp.arange(block_q, dtype=jnp.int32)
+
+  @pl.when(seq == num_seqs)
+  def _tail():
+    # Tokens past cu_seqlens_q[-1]: out = 0, lse = +inf. Strided over the q-block axis.
+    stride = num_q_blocks * block_q
+    n_iter = lax.div(jnp.maximum(len_q - qb * block_q, 0) + stride - 1, stride)
+
+    def body(j, carry):
+      row0 = qb * block_q + j * stride
+      _store_rows(o_ref, lse_ref, q_start + row0, row0 + row_ids < len_q,
+                  jnp.zeros((block_q, d_v), jnp.float32),
+                  jnp.full((block_q,), jnp.inf, jnp.float32))
+      return carry
+
+    lax.fori_loop(0, n_iter, body, jnp.int32(0))
+
+  row0 = qb * block_q
+
+  @pl.when((seq < num_seqs) & (row0 < len_q))
+  def _attend():
+    rows = row0 + row_ids
+    rows_ok = rows < len_q
+    # One indexer per load: the Triton lowering takes no chained `.at` views.
+    q_rows = pl.ds(q_start + row0, block_q)
+    q_main = plgpu.load(q_ref.at[q_rows, pl.ds(0, d_main)], mask=rows_ok[:, None], other=0.0)
+    q_rest = (plgpu.load(q_ref.at[q_rows, pl.ds(d_main, d_rest)], mask=rows_ok[:, None],
+                         other=0.0) if d_rest else None)
+    scale = sm_scale * _LOG2E  # scores in the base-2 domain: exp(x) = exp2(x * log2 e)
+    col_ids = jnp.arange(block_k, dtype=jnp.int32)
+    # Bottom-right causal alignment: row i sees keys j <= i + (len_k - len_q).
+    shift = len_k - len_q
+
+    def step(kb, carry, masked):
+      acc, m_prev, l_prev = carry
+      cols = kb * block_k + col_ids
+      cols_ok = cols < len_k
+      k_rows = pl.ds(k_start + kb * block_k, block_k)
+      # Masked blocks load zeros past the sequence end: no foreign value enters a dot.
+      kmask = cols_ok[:, None] if masked else None
+      other = 0.0 if masked else None
+      k_main = plgpu.load(k_ref.at[k_rows, pl.ds(0, d_main)], mask=kmask, other=other)
+      s = plgpu.dot(q_main, k_main, trans_b=True)
+      if d_rest:
+        k_rest = plgpu.load(k_ref.at[k_rows, pl.ds(d_main, d_rest)], mask=kmask, other=other)
+        s += plgpu.dot(q_rest, k_rest, trans_b=True)
+      s *= scale
+      if masked:
+        ok = cols_ok[None, :]
+        if causal:
+          ok = ok & (cols[None, :] <= rows[:, None] + shift)
+        s = jnp.where(ok, s, -jnp.inf)
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with no key yet
+      alpha = jnp.exp2(m_prev - m_safe)
+      p = jnp.exp2(s - m_safe[:, None])
+      l_next = alpha * l_prev + jnp.sum(p, axis=1)
+      v = plgpu.load(v_ref.at[k_rows, :], mask=kmask, other=other)
+      acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+      return acc, m_next, l_next
+
+    if causal:
+      first_row_keys = jnp.minimum(len_k, row0 + shift + 1)  # keys every row sees
+      last_row_keys = jnp.minimum(len_k, row0 + block_q + shift)
+    else:
+      first_row_keys = last_row_keys = len_k
+    n_full = lax.div(jnp.maximum(first_row_keys, 0), block_k)
+    n_all = lax.div(jnp.maximum(last_row_keys, 0) + block_k - 1, block_k)
+    carry = (jnp.zeros((block_q, d_v), jnp.float32),
+             jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(n_full, jnp.maximum(n_all, n_full),
+                              functools.partial(step, masked=True), carry)
+    has_keys = l > 0.0
+    l_safe = jnp.where(has_keys, l, 1.0)
+    out = jnp.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
+    lse = jnp.where(has_keys, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
+    _store_rows(o_ref, lse_ref, q_start + row0, rows_ok, out, lse)
+
+
+def mla_prefill_pallas(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
+                       block_q=128, block_k=64, num_warps=8, num_stages=2, interpret=False):
+  """Kernel entry (inputs already validated): ``(out[Tq, H, d_v], lse f32[H, Tq])``."""
+  num_q_tokens, num_heads, d_qk = q.shape
+  d_v = v.shape[-1]
+  num_seqs = cu_seqlens_q.shape[0] - 1
+  d_main, d_rest = split_head_dim(d_qk)
+  if num_q_tokens == 0 or k.shape[0] == 0:
+    return (jnp.zeros((num_q_tokens, num_heads, d_v), q.dtype),
+            jnp.full((num_heads, num_q_tokens), jnp.inf, jnp.float32))
+  block_q = max(_MIN_TILE, min(block_q, next_pow2(max(max_seqlen_q, 1))))
+  block_k = max(_MIN_TILE, min(block_k, next_pow2(k.shape[0])))
+  num_q_blocks = max(1, cdiv(max_seqlen_q, block_q))
+  info = _seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
+
+  kernel = functools.partial(
+      _prefill_kernel, sm_scale=float(sm_scale), causal=causal, block_q=block_q,
+      block_k=block_k, d_main=d_main, d_rest=d_rest, num_q_blocks=num_q_blocks,
+      num_seqs=num_seqs)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(num_q_blocks, num_heads, num_seqs + 1),
+      in_specs=[
+          pl.BlockSpec((None, 4), lambda i, h, b: (b, 0)),
+          pl.BlockSpec((num_q_tokens, None, d_qk), lambda i, h, b: (0, h, 0)),
+          pl.BlockSpec((k.shape[0], None, d_qk), lambda i, h, b: (0, h, 0)),
+          pl.BlockSpec((v.shape[0], None, d_v), lambda i, h, b: (0, h, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((num_q_tokens, None, d_v), lambda i, h, b: (0, h, 0)),
+          pl.BlockSpec((None, num_q_tokens), lambda i, h, b: (h, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((num_q_tokens, num_heads, d_v), q.dtype),
+          jax.ShapeDtypeStruct((num_heads, num_q_tokens), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="mla_prefill",
+  )(info, q, k, v)
+  return out, lse
