@@ -2,15 +2,9 @@
 
 import jax
 import pytest
+from helpers import has_gpu
 
 jax.config.update("jax_enable_x64", False)
-
-
-def has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
 
 
 def pytest_collection_modifyitems(config, items):

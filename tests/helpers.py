@@ -1,6 +1,14 @@
 """Test helpers shared by the op tests (import as `from helpers import ...`)."""
 
+import jax
 import numpy as np
+
+
+def has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
 
 
 def rel_err(out, ref) -> float:

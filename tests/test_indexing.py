@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jax_mla.indexing as ix
+from helpers import has_gpu
 from jax_mla.merge import lse2_to_lse
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -34,7 +35,7 @@ def np_expand(block_table, seq_lens, K, capacity):
   return out, indptr
 
 
-def test_convert_hand_checked():
+def test_convert_hand_checked(interpret):
   bt = jnp.array([[7, 3], [5, 0]], jnp.int32)
   req = jnp.array([0, 1], jnp.int32)
   tok = jnp.array([[0, 5, -1], [4, 9, 8]], jnp.int32)
@@ -42,13 +43,13 @@ def test_convert_hand_checked():
   want = np.array([[28, 13, -1], [0, -1, -1]], np.int32)
   for impl in ("xla", "pallas"):
     got = ix.convert_req_index_to_global_index(req, bt, tok, block_size=4, implementation=impl,
-                                               interpret=True)
+                                               interpret=interpret)
     np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("seed,T,K,R,B,bs", [
     (0, 5, 37, 3, 4, 16), (1, 9, 300, 4, 7, 64), (2, 1, 1, 1, 1, 2), (3, 17, 64, 5, 3, 61)])
-def test_convert_random(seed, T, K, R, B, bs):
+def test_convert_random(seed, T, K, R, B, bs, interpret):
   rng = np.random.default_rng(seed)
   bt = rng.integers(0, 1000, (R, B)).astype(np.int32)
   req = rng.integers(-1, R + 1, T).astype(np.int32)  # includes out-of-range request ids
@@ -58,23 +59,23 @@ def test_convert_random(seed, T, K, R, B, bs):
   for impl in ("xla", "pallas"):
     got = ix.convert_req_index_to_global_index(
         jnp.asarray(req), jnp.asarray(bt), jnp.asarray(tok), block_size=bs,
-        implementation=impl, interpret=True)
+        implementation=impl, interpret=interpret)
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
 
 
-def test_expand_hand_checked():
+def test_expand_hand_checked(interpret):
   bt = jnp.array([[2, 5], [9, 1]], jnp.int32)
   lens = jnp.array([3, 0], jnp.int32)
   for impl in ("xla", "pallas"):
     pages, indptr = ix.expand_page_indices(bt, lens, kernel_block_size=2, capacity=6,
-                                           implementation=impl, interpret=True)
+                                           implementation=impl, interpret=interpret)
     np.testing.assert_array_equal(indptr, [0, 3, 3])
     np.testing.assert_array_equal(pages, [4, 5, 10, -1, -1, -1])
 
 
 @pytest.mark.parametrize("seed,R,B,K,extra", [
     (0, 4, 5, 16, 7), (1, 7, 3, 1, 0), (2, 1, 9, 4, 100), (3, 6, 2, 3, 5)])
-def test_expand_random(seed, R, B, K, extra):
+def test_expand_random(seed, R, B, K, extra, interpret):
   rng = np.random.default_rng(seed)
   bt = rng.integers(0, 500, (R, B)).astype(np.int32)
   lens = rng.integers(0, B * K + 1, R).astype(np.int32)
@@ -86,18 +87,18 @@ def test_expand_random(seed, R, B, K, extra):
   for impl in ("xla", "pallas"):
     pages, indptr = ix.expand_page_indices(jnp.asarray(bt), jnp.asarray(lens),
                                            kernel_block_size=K, capacity=cap,
-                                           implementation=impl, interpret=True)
+                                           implementation=impl, interpret=interpret)
     np.testing.assert_array_equal(np.asarray(indptr), want_indptr, err_msg=impl)
     np.testing.assert_array_equal(np.asarray(pages), want, err_msg=impl)
 
 
-def test_expand_capacity_smaller_than_total_drops_tail():
+def test_expand_capacity_smaller_than_total_drops_tail(interpret):
   bt = jnp.array([[1, 2], [3, 4]], jnp.int32)
   lens = jnp.array([4, 4], jnp.int32)
   want, _ = np_expand(np.asarray(bt), np.asarray(lens), 2, 5)
   for impl in ("xla", "pallas"):
     pages, _ = ix.expand_page_indices(bt, lens, kernel_block_size=2, capacity=5,
-                                      implementation=impl, interpret=True)
+                                      implementation=impl, interpret=interpret)
     np.testing.assert_array_equal(pages, want)
 
 
@@ -143,6 +144,7 @@ def test_bad_input_names_argument(call, match):
     call()
 
 
+@pytest.mark.skipif(has_gpu(), reason="checks the error given on a machine without a GPU")
 def test_pallas_without_gpu_needs_interpret():
   with pytest.raises(ValueError, match="interpret=True"):
     ix.convert_req_index_to_global_index(

@@ -1,0 +1,96 @@
+"""Shared timing and reporting for the GPU benchmarks (METHOD.md: median of many
+event-timed reps after warm-up, rotating input sets so L2 does not flatter us)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class Row:
+  """One measured benchmark row, comparable against its anchor in BENCHMARKS.md."""
+  op: str
+  config: str
+  time_us: float
+  metric: float  # the row's headline figure, in `unit`
+  unit: str  # "TFLOP/s", "TB/s" or "us"
+  anchor: float | None = None  # the anchor's figure in the same unit
+  anchor_name: str = ""
+  device: str = ""
+
+  @property
+  def ratio(self) -> float | None:
+    if self.anchor is None:
+      return None
+    # For times, smaller is better: report anchor / ours so > 1 means faster.
+    return self.anchor / self.metric if self.unit == "us" else self.metric / self.anchor
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return getattr(d, "device_kind", str(d))
+
+
+def time_us(fn, arg_sets, *, warmup_ms: float = 100, rep_ms: float = 500) -> float:
+  """Median time of ``fn(*args)`` in microseconds, cycling through ``arg_sets``."""
+  it = {"i": 0}
+
+  def call():
+    args = arg_sets[it["i"] % len(arg_sets)]
+    it["i"] += 1
+    return jax.block_until_ready(fn(*args))
+
+  call()  # compile
+  try:
+    from triton.testing import do_bench
+    return 1e3 * do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+  except ImportError:
+    times = []
+    t_end = time.perf_counter() + rep_ms / 1e3
+    while time.perf_counter() < t_end or len(times) < 10:
+      t0 = time.perf_counter()
+      call()
+      times.append(time.perf_counter() - t0)
+    return 1e6 * float(np.median(times))
+
+
+def n_sets(bytes_per_set: int, l2_bytes: int = 50 << 20) -> int:
+  """How many input sets to rotate so that together they overflow L2 twice."""
+  return max(1, min(8, -(-2 * l2_bytes // max(bytes_per_set, 1))))
+
+
+def print_table(rows: list[Row]) -> None:
+  print(f"{'op':<34} {'config':<58} {'time us':>9} {'figure':>16} {'anchor':>16} {'ratio':>6}")
+  for r in rows:
+    anchor = "" if r.anchor is None else f"{r.anchor:.3g} {r.unit}"
+    ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+    print(f"{r.op:<34} {r.config:<58} {r.time_us:>9.1f} {r.metric:>9.3g} {r.unit:<6} "
+          f"{anchor:>16} {ratio:>6}")
+
+
+def write_report(rows: list[Row], out_dir: str) -> None:
+  """Writes results.json and, where matplotlib exists, ratios.png under ``out_dir``."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump([dict(dataclasses.asdict(r), ratio=r.ratio) for r in rows], f, indent=1)
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  with_anchor = [r for r in rows if r.ratio is not None]
+  if not with_anchor:
+    return
+  fig, ax = plt.subplots(figsize=(10, 0.4 * len(with_anchor) + 1.5))
+  ax.barh([f"{r.op}: {r.config}"[:70] for r in with_anchor], [r.ratio for r in with_anchor])
+  ax.axvline(1.0, color="k", lw=0.8)
+  ax.set_xlabel("jax-mla / anchor (>1 is better)")
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "ratios.png"), dpi=100)

@@ -1,0 +1,216 @@
+"""Pallas (Triton) kernel for dense paged MLA decode: split-KV flash-decoding.
+
+One kernel serves every dense-decode convention (AITER ``mla_decode_fwd``,
+FlashMLA ``flash_mla_with_kvcache``, tpu-inference ragged paged attention).
+Each API lowers its metadata to *query groups*: a run of consecutive query
+tokens of one request that share a KV page list. Per group ``g``:
+
+- ``q_start[g]``, ``q_len[g]``: the group's query tokens are
+  ``q_start .. q_start+q_len-1`` (rows of ``q`` viewed as ``[T*h_q, 576]``).
+- ``kv_len[g]``: keys ``0 .. kv_len-1`` of the request exist.
+- ``causal_base[g]``: with ``causal``, query ``i`` of the group sees keys
+  ``< causal_base + i + 1`` (bottom-right alignment is the caller's choice).
+- ``page_base[g]``: key ``t`` lives in page ``page_ids[page_base + t // page_size]``.
+
+MLA shares one latent KV across all heads, so a program takes a block of
+``block_m`` (query token, head) rows of one group (>= 16 for the MMA) and one
+KV split, streams ``block_n`` keys at a time gathered through the page list,
+and keeps an online softmax in base 2. ``QK^T`` is two power-of-two dots (NoPE
+512 + RoPE 64); ``PV`` reuses the NoPE part of the same rows as V. With one
+split the kernel writes the final output; with more it writes float32 partials
+and their LSE, merged by :func:`combine_splits`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+D_NOPE = 512
+D_ROPE = 64
+D_QK = D_NOPE + D_ROPE
+_LOG2E = 1.4426950408889634
+_LN2 = math.log(2.0)
+
+
+def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse_ref, *,
+                   h_q, num_rows, block_m, block_n, page_size, num_pages, num_page_ids,
+                   num_splits, causal):
+  mt, split, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q_start = meta_ref[0, g]
+  q_len = meta_ref[1, g]
+  kv_len = meta_ref[2, g]
+  causal_base = meta_ref[3, g]
+  page_base = meta_ref[4, g]
+  qk_scale = scales_ref[0]  # sm_scale * q_scale * kv_scale * log2(e)
+  v_scale = scales_ref[1]
+
+  m = mt * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+  row_ok = m < q_len * h_q
+  rows = jnp.where(row_ok, q_start * h_q + m, 0)
+  qi = m // h_q
+  # Keys this tile needs: all of them, or up to its last query's causal limit.
+  hi = kv_len
+  if causal:
+    last_qi = jnp.minimum(q_len - 1, (mt * block_m + block_m - 1) // h_q)
+    hi = jnp.minimum(kv_len, causal_base + last_qi + 1)
+    row_lim = jnp.minimum(kv_len, causal_base + qi + 1)
+  else:
+    row_lim = jnp.full((block_m,), kv_len, jnp.int32)
+  hi = jnp.maximum(hi, 0)
+  # This split's key range, a whole number of key blocks.
+  chunk = pl.cdiv(pl.cdiv(hi, num_splits), block_n) * block_n
+  lo = split * chunk
+  end = jnp.minimum(lo + chunk, hi)
+  num_iters = pl.cdiv(jnp.maximum(end - lo, 0), block_n)
+
+  q_nope = plgpu.load(q_ref.at[rows, pl.ds(0, D_NOPE)], mask=row_ok[:, None], other=0.0)
+  q_rope = plgpu.load(q_ref.at[rows, pl.ds(D_NOPE, D_ROPE)], mask=row_ok[:, None], other=0.0)
+  q_nope = q_nope.astype(jnp.bfloat16)
+  q_rope = q_rope.astype(jnp.bfloat16)
+
+  def body(it, carry):
+    acc, m_i, l_i = carry
+    t = lo + it * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    t_ok = t < end
+    pidx = jnp.where(t_ok, page_base + t // page_size, 0)
+    t_ok = t_ok & (pidx >= 0) & (pidx < num_page_ids)
+    page = plgpu.load(page_ids_ref.at[jnp.where(t_ok, pidx, 0)], mask=t_ok, other=-1)
+    # Invalid page ids are masked and never read.
+    k_ok = t_ok & (page >= 0) & (page < num_pages)
+    slot = jnp.where(k_ok, page * page_size + t % page_size, 0)
+    # Masked rows load as zero, so NaN in unused slots never enters a dot.
+    k_nope = plgpu.load(kv_ref.at[slot, pl.ds(0, D_NOPE)], mask=k_ok[:, None], other=0.0)
+    k_rope = plgpu.load(kv_ref.at[slot, pl.ds(D_NOPE, D_ROPE)], mask=k_ok[:, None], other=0.0)
+    k_nope = k_nope.astype(jnp.bfloat16)
+    k_rope = k_rope.astype(jnp.bfloat16)
+    nt = (((1,), (1,)), ((), ()))
+    s = lax.dot_general(q_nope, k_nope, nt, preferred_element_type=jnp.float32)
+    s += lax.dot_general(q_rope, k_rope, nt, preferred_element_type=jnp.float32)
+    s *= qk_scale
+    ok = k_ok[None, :] & (t[None, :] < row_lim[:, None])
+    s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked rows so far
+    p = jnp.exp2(s - m_safe[:, None])
+    alpha = jnp.exp2(m_i - m_safe)
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + lax.dot_general(
+        p.astype(jnp.bfloat16), k_nope, (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32)
+    return acc, m_new, l_i
+
+  acc = jnp.zeros((block_m, D_NOPE), jnp.float32)
+  m_i = jnp.full((block_m,), -jnp.inf, jnp.float32)
+  l_i = jnp.zeros((block_m,), jnp.float32)
+  acc, m_i, l_i = lax.fori_loop(0, num_iters, body, (acc, m_i, l_i))
+
+  empty = l_i == 0.0
+  inv = jnp.where(empty, 0.0, v_scale / jnp.where(empty, 1.0, l_i))
+  out = acc * inv[:, None]
+  lse = (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * _LN2
+  # Partials mark empty splits -inf (weight 0); the final result uses +inf.
+  lse = jnp.where(empty, jnp.inf if num_splits == 1 else -jnp.inf, lse)
+  out_rows = jnp.where(row_ok, split * num_rows + rows, 0)
+  plgpu.store(o_ref.at[out_rows, pl.ds(0, D_NOPE)], out.astype(o_ref.dtype), mask=row_ok[:, None])
+  plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
+
+
+def combine_splits(out_parts: jax.Array, lse_parts: jax.Array, out_dtype):
+  """Merges per-split results (flash-decoding reduce) by their LSE.
+
+  ``out_parts`` ``[S, R, 512]`` float32 (each normalised over its split),
+  ``lse_parts`` ``[S, R]`` with ``-inf`` for empty splits. Returns
+  ``(out [R, 512] out_dtype, lse [R])``; rows empty in every split get 0 and ``+inf``.
+  """
+  m = jnp.max(lse_parts, axis=0)
+  empty = m == -jnp.inf
+  w = jnp.exp(lse_parts - jnp.where(empty, 0.0, m)[None])
+  total = jnp.sum(w, axis=0)
+  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
+  out = jnp.einsum("sr,srd->rd", w, out_parts) * inv[:, None]
+  lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
+  return out.astype(out_dtype), lse
+
+
+def default_block_m(rows_per_group: int) -> int:
+  """Rows (query token x head) per program: 64, or fewer (>= 16) for small groups."""
+  return max(16, min(64, 1 << max(0, rows_per_group - 1).bit_length()))
+
+
+def num_sms() -> int:
+  try:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0)) or 132
+  except Exception:  # noqa: BLE001 - any backend without the attribute
+    return 132
+
+
+def default_num_splits(num_programs: int, avg_kv_len: float, *, block_n: int) -> int:
+  """Splits so that groups x row tiles x splits fill the GPU about twice over.
+
+  Each split keeps at least 4 key blocks (the combine costs a pass over
+  float32 partials); at most 64 splits.
+  """
+  want = pl.cdiv(2 * num_sms(), max(num_programs, 1))
+  cap = max(1, int(avg_kv_len) // (4 * block_n))
+  return int(max(1, min(want, cap, 64)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("h_q", "rows_per_group", "page_size", "causal", "num_splits",
+                     "block_m", "block_n", "num_warps", "num_stages", "out_dtype",
+                     "interpret"))
+def paged_mla_decode(q2d, kv2d, meta, page_ids, scales, *, h_q, rows_per_group, page_size,
+                     causal, num_splits, block_m, block_n, num_warps, num_stages,
+                     out_dtype, interpret):
+  """Runs the kernel over query groups. See the module docstring.
+
+  Args:
+    q2d: ``[T*h_q, 576]`` bf16 or fp8 queries (token-major, then head).
+    kv2d: ``[num_pages*page_size, 576]`` bf16 or fp8 latent cache.
+    meta: ``i32[5, G]`` rows ``q_start, q_len, kv_len, causal_base, page_base``.
+    page_ids: ``i32[N]`` page ids indexed by ``page_base + t // page_size``.
+    scales: ``f32[2]``: ``sm_scale*q_scale*kv_scale*log2(e)`` and ``kv_scale``.
+    rows_per_group: static bound on ``q_len * h_q`` of any group.
+
+  Returns:
+    ``(out [T*h_q, 512] out_dtype, lse f32[T*h_q])``. Rows of tokens outside
+    every group are not written (undefined).
+  """
+  num_rows = q2d.shape[0]
+  num_groups = meta.shape[1]
+  num_mtiles = pl.cdiv(rows_per_group, block_m)
+  final = num_splits == 1
+  kernel = functools.partial(
+      _decode_kernel, h_q=h_q, num_rows=num_rows, block_m=block_m, block_n=block_n,
+      page_size=page_size, num_pages=kv2d.shape[0] // page_size,
+      num_page_ids=page_ids.shape[0], num_splits=num_splits, causal=causal)
+  o_dtype = out_dtype if final else jnp.float32
+  out, lse = pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((num_splits * num_rows, D_NOPE), o_dtype),
+                 jax.ShapeDtypeStruct((num_splits * num_rows,), jnp.float32)),
+      # Row tiles of one group are adjacent in launch order: they share KV in L2.
+      grid=(num_mtiles, num_splits, num_groups),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+  )(meta, page_ids, scales, q2d, kv2d)
+  if final:
+    return out, lse
+  return combine_splits(out.reshape(num_splits, num_rows, D_NOPE),
+                        lse.reshape(num_splits, num_rows), out_dtype)
+
+
+def qk_scales(sm_scale: float, q_scale, kv_scale) -> jax.Array:
+  """The kernel's ``scales`` operand from per-tensor scales (None means 1)."""
+  qs = jnp.asarray(1.0 if q_scale is None else q_scale, jnp.float32).reshape(())
+  ks = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(())
+  return jnp.stack([sm_scale * _LOG2E * qs * ks, ks])

@@ -1,0 +1,191 @@
+"""Pallas (Triton) paged decode attention with a split KV sequence (flash-decoding).
+
+One program per (sequence, kv head, kv split) computes all query heads of the
+group at once (padded to 16 rows for the tensor-core dot) over its share of the
+sequence's tiles, and writes a normalised partial output plus its LSE. The
+splits (and the attention sink) are merged afterwards in XLA with
+``merge_attn_states``. Against the seed ``kernel_paged_attention_2d``:
+
+- splitting the sequence lets a few long sequences fill the GPU;
+- a tile spans several cache blocks (64 tokens, not one 16-token block), so
+  each iteration has more loads in flight;
+- with a sliding window the loop starts at the first tile inside the window
+  instead of masking every tile before it;
+- slots at or past ``seq_len`` (and blocks with an out-of-range id) are masked
+  loads: never read, so NaN there cannot reach the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_mla._common import cdiv, next_pow2
+from jax_mla.merge import merge_attn_states
+from jax_mla.paged_attention.reference import (
+    CacheView,
+    decode_rows,
+    finish_output,
+    scatter_rows,
+)
+
+_LOG2E = 1.4426950408889634
+_LN2 = math.log(2.0)
+
+
+def _load(ref_at, mask):
+  return plgpu.load(ref_at, mask=mask, other=0)
+
+
+def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, group, head_dim,
+            block_size, k_x, v_x, block_n, num_splits, sliding_window, num_blocks, has_alibi):
+  if has_alibi:
+    alibi_ref, o_ref, lse_ref = rest
+  else:
+    o_ref, lse_ref = rest
+  s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  g_pad, d_pad = o_ref.shape
+  max_blocks = bt_ref.shape[1]
+  qk_scale = scal_ref[0]  # scale * k_scale * log2(e): scores live in base 2
+  v_scale = scal_ref[1]
+
+  seq_len = len_ref[s]  # 0 for skipped sequences
+  row = jnp.maximum(row_ref[s], 0)
+  g = jnp.arange(g_pad, dtype=jnp.int32)
+  d = jnp.arange(d_pad, dtype=jnp.int32)
+  g_ok = g < group
+  d_ok = d < head_dim
+  q = _load(q_ref.at[row, h, g[:, None], d[None, :]], g_ok[:, None] & d_ok[None, :])
+  slope = _load(alibi_ref.at[h, g], g_ok) if has_alibi else None
+
+  # This split's tiles: an equal share of the tiles that touch the window.
+  num_tiles = (seq_len + block_n - 1) // block_n
+  first = 0
+  if sliding_window > 0:
+    first = jnp.maximum(seq_len - sliding_window, 0) // block_n
+  per_split = (num_tiles - first + num_splits - 1) // num_splits
+  lo = first + split * per_split
+  hi = jnp.minimum(lo + per_split, num_tiles)
+
+  def body(j, carry):
+    m, l, acc = carry
+    pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    logical = pos // block_size
+    valid = (pos < seq_len) & (logical < max_blocks)
+    if sliding_window > 0:
+      valid &= (seq_len - 1 - pos) < sliding_window
+    blk = _load(bt_ref.at[s, logical], valid)
+    valid &= (blk >= 0) & (blk < num_blocks)
+    off = pos % block_size
+    kv_mask = valid[:, None] & d_ok[None, :]
+
+    def gather(ref, x):  # [block_n, d_pad] rows of this tile; masked slots read as 0
+      return _load(ref.at[blk[:, None], h, (d // x)[None, :], off[:, None], (d % x)[None, :]],
+                   kv_mask)
+
+    k = gather(k_ref, k_x).astype(q.dtype)
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) * qk_scale
+    if has_alibi:
+      rel = (pos - (seq_len - 1)).astype(jnp.float32)
+      scores += slope[:, None] * rel[None, :]
+    scores = jnp.where(valid[None, :], scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked so far: avoid inf - inf
+    alpha = jnp.exp2(m - m_ref)
+    p = jnp.exp2(scores - m_ref[:, None])
+    v = gather(v_ref, v_x).astype(q.dtype)
+    pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+  init = (jnp.full((g_pad,), -jnp.inf, jnp.float32), jnp.zeros((g_pad,), jnp.float32),
+          jnp.zeros((g_pad, d_pad), jnp.float32))
+  m, l, acc = lax.fori_loop(lo, hi, body, init)
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = acc * (v_scale / l_safe)[:, None]
+  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * _LN2)
+
+
+def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_tiles: int,
+                          num_cores: int) -> int:
+  """Splits so that about two programs per core run, each with >= 4 tiles."""
+  splits = 1
+  while (num_seqs * num_kv_heads * splits < 2 * num_cores
+         and max_tiles // (2 * splits) >= 4):
+    splits *= 2
+  return splits
+
+
+def _num_cores() -> int:
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def paged_attention_pallas(query, key_view_: CacheView, value_view_: CacheView, block_tables,
+                           seq_lens, *, scale, k_scale, v_scale, sinks, alibi_slopes,
+                           sliding_window, query_start_loc, out_scale, num_kv_splits=None,
+                           block_n=None, num_warps=4, num_stages=2, interpret=False):
+  """Kernel path of ``paged_attention`` (arguments already validated)."""
+  t, hq, head_dim = query.shape
+  num_blocks, hkv, _, block_size, _ = key_view_.data.shape
+  num_seqs, max_blocks = block_tables.shape
+  group = hq // hkv
+  g_pad = max(16, next_pow2(group))
+  d_pad = max(16, next_pow2(head_dim))
+  if block_n is None:
+    block_n = 64 if d_pad <= 128 else 32
+  max_tiles = cdiv(max_blocks * block_size, block_n)
+  if num_kv_splits is None:
+    num_kv_splits = default_num_kv_splits(num_seqs, hkv, max_tiles,
+                                          1 if interpret else _num_cores())
+
+  query_row, lens = decode_rows(seq_lens, query_start_loc, t)
+  scalars = jnp.stack([jnp.asarray(scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
+                       * _LOG2E, jnp.asarray(v_scale, jnp.float32)])
+  inputs = [scalars, query_row, lens, block_tables, query.reshape(t, hkv, group, head_dim),
+            key_view_.data, value_view_.data]
+  if alibi_slopes is not None:
+    inputs.append(alibi_slopes.astype(jnp.float32).reshape(hkv, group) * _LOG2E)
+
+  kernel = functools.partial(
+      _kernel, group=group, head_dim=head_dim, block_size=block_size, k_x=key_view_.x,
+      v_x=value_view_.x, block_n=block_n, num_splits=num_kv_splits,
+      sliding_window=sliding_window, num_blocks=num_blocks,
+      has_alibi=alibi_slopes is not None)
+  out_part, lse_part = pl.pallas_call(
+      kernel,
+      grid=(num_seqs, hkv, num_kv_splits),
+      in_specs=[pl.no_block_spec] * len(inputs),
+      out_specs=[
+          pl.BlockSpec((None, None, None, g_pad, d_pad), lambda s, h, p: (s, p, h, 0, 0)),
+          pl.BlockSpec((None, None, None, g_pad), lambda s, h, p: (s, p, h, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((num_seqs, num_kv_splits, hkv, g_pad, d_pad), jnp.float32),
+          jax.ShapeDtypeStruct((num_seqs, num_kv_splits, hkv, g_pad), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="paged_attention",
+  )(*inputs)
+
+  # [S, P, Hq, D] partials -> one output per sequence (flash-decoding combine).
+  out_part = out_part[..., :group, :head_dim].reshape(num_seqs, num_kv_splits, hq, head_dim)
+  lse_part = lse_part[..., :group].reshape(num_seqs, num_kv_splits, hq)
+  out, lse = out_part[:, 0], lse_part[:, 0]
+  for p in range(1, num_kv_splits):
+    out, lse = merge_attn_states(out, lse, out_part[:, p], lse_part[:, p])
+  if sinks is not None:
+    # The sink adds exp(sink) to the softmax denominator and nothing to the values.
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None], lse.shape)
+    out, _ = merge_attn_states(out, lse, jnp.zeros_like(out), sink)
+    out = jnp.where(jnp.isposinf(sink)[..., None], 0.0, out)
+  out = scatter_rows(out, query_row, t, identity=query_start_loc is None)
+  return finish_output(out, query.dtype, out_scale)
