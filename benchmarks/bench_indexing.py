@@ -45,3 +45,32 @@ def run(implementation: str = "pallas") -> list[Row]:
   rows.append(Row("expand_page_indices", f"{R} req x {L} tok, K {Kb}", us, us, "us", 11.3,
                   "seed Triton", dev))
   return rows
+
+
+def sweep() -> None:
+  """Tile-shape sweep of both kernels (for tuning; prints one line a variant)."""
+  from jax_mla.indexing import pallas as kernels
+  rng = np.random.default_rng(1)
+  T, K, bs, R, B = 4096, 2048, 64, 64, 512
+  sets = [(jnp.asarray(rng.integers(0, R, T), jnp.int32),
+           jnp.asarray(rng.integers(0, 1 << 16, (R, B)), jnp.int32),
+           jnp.asarray(rng.integers(-1, B * bs, (T, K)), jnp.int32)) for _ in range(8)]
+  for rows, cols, warps in [(1, 1024, 4), (1, 2048, 8), (2, 1024, 4), (4, 512, 4), (8, 256, 4),
+                            (4, 1024, 8), (8, 512, 8), (16, 256, 8)]:
+    us = time_us(lambda r, b, t, rows=rows, cols=cols, warps=warps:
+                 kernels.convert_req_index_to_global_index(
+                     r, b, t, block_size=bs, rows=rows, cols=cols, num_warps=warps), sets)
+    print(f"convert rows {rows} cols {cols} warps {warps}: {us:.1f} us")
+  R, L, Kb = 256, 8192, 16
+  sets = [(jnp.asarray(rng.integers(0, 1 << 16, (R, L // Kb)), jnp.int32),
+           jnp.full((R,), L, jnp.int32)) for _ in range(8)]
+  for chunk, warps in [(256, 4), (512, 4), (1024, 4), (2048, 8), (4096, 8), (8192, 8)]:
+    us = time_us(lambda b, n, chunk=chunk, warps=warps: kernels.expand_page_indices(
+        b, n, kernel_block_size=Kb, capacity=R * L, chunk=chunk, num_warps=warps), sets)
+    print(f"expand chunk {chunk} warps {warps}: {us:.1f} us")
+  for row in run(implementation="xla"):
+    print(f"xla reference: {row.op} {row.config}: {row.time_us:.1f} us")
+
+
+if __name__ == "__main__":
+  sweep()

@@ -30,8 +30,9 @@ from jax_mla.cache import gather_dequantize
 from jax_mla.indexing import convert_req_index_to_global_index
 
 
-def _req_positions(query_start_loc, seq_lens, req, token):
-  """Position of ``token`` (numbered as ``query_start_loc``) inside its request ``req``."""
+def token_positions(query_start_loc, seq_lens, req, token):
+  """Position of ``token`` (numbered like ``query_start_loc``) inside its request ``req``:
+  ``seq_lens[req] - query_len[req] + (token - query_start_loc[req])``."""
   query_len = query_start_loc[req + 1] - query_start_loc[req]
   return seq_lens[req] - query_len + (token - query_start_loc[req])
 
@@ -160,7 +161,7 @@ def compute_swa_indices_and_lens(
     c.check_int32(name, x)
   req = token_to_req_indices
   token = jnp.arange(req.shape[0], dtype=jnp.int32)
-  pos = _req_positions(query_start_loc, seq_lens, req, token)
+  pos = token_positions(query_start_loc, seq_lens, req, token)
   start = jnp.maximum(pos - window_size + 1, 0)
   lens = jnp.where(is_valid_token, pos + 1 - start, 0).astype(jnp.int32)
   col = jnp.arange(window_size, dtype=jnp.int32)[None, :]
@@ -223,7 +224,7 @@ def combine_topk_swa_indices(
   req = jnp.searchsorted(query_start_loc, token, side="right").astype(jnp.int32) - 1
   in_req = (req >= 0) & (req < num_reqs)
   req = jnp.clip(req, 0, num_reqs - 1)
-  pos = _req_positions(query_start_loc, seq_lens, req, token)
+  pos = token_positions(query_start_loc, seq_lens, req, token)
   num_compressed = (pos + 1) // compress_ratio
   topk_len = jnp.where(in_req, jnp.minimum(num_compressed, topk), 0)
   swa_len = jnp.where(in_req, jnp.minimum(pos + 1, window_size), 0)

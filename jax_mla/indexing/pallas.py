@@ -34,7 +34,7 @@ def _convert_kernel(req_ref, bt_ref, tok_ref, out_ref, *, num_tokens, topk, num_
 
 
 def convert_req_index_to_global_index(req_id, block_table, token_indices, *, block_size,
-                                      interpret=False, rows=8, cols=256):
+                                      interpret=False, rows=8, cols=256, num_warps=4):
   num_tokens, topk = token_indices.shape
   num_reqs, num_blocks = block_table.shape
   cols = min(cols, pl.next_power_of_2(topk))
@@ -45,63 +45,86 @@ def convert_req_index_to_global_index(req_id, block_table, token_indices, *, blo
       kernel,
       out_shape=jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32),
       grid=(cdiv(num_tokens, rows), cdiv(topk, cols)),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="convert_req_index_to_global_index",
   )(req_id, block_table.reshape(-1), token_indices)
 
 
-def _expand_kernel(bt_ref, lens_ref, indptr_ref, out_ref, *, num_reqs, num_blocks,
-                   kernel_block_size, capacity, chunk):
-  req = pl.program_id(0)
-  start = indptr_ref[req]
+def _expand_kernel(bt_ref, lens_ref, pages_ref, indptr_ref, *, num_reqs, num_blocks,
+                   kernel_block_size, capacity, chunk, lens_chunk):
+  """Program (r, j) writes tokens [j*chunk, (j+1)*chunk) of request r, plus its share
+  of the -1 tail. Offsets come from an in-kernel prefix sum, so there is one launch."""
+  req, j = pl.program_id(0), pl.program_id(1)
+  num_chunks = pl.num_programs(1)
+
+  def lens_sum(upto):
+    def body(i, acc):
+      idx = i * lens_chunk + jnp.arange(lens_chunk, dtype=jnp.int32)
+      m = idx < upto
+      return acc + jnp.sum(plgpu.load(lens_ref.at[pl.ds(i * lens_chunk, lens_chunk)], mask=m,
+                                      other=0))
+    return lax.fori_loop(0, (upto + lens_chunk - 1) // lens_chunk, body, jnp.int32(0))
+
+  start = lens_sum(req)
   n = lens_ref[req]
   lane = jnp.arange(chunk, dtype=jnp.int32)
 
-  def write_tokens(i, carry):
-    t = i * chunk + lane
-    pos = start + t
-    live = (t < n) & (pos < capacity)
+  @pl.when(j == 0)
+  def _():
+    indptr_ref[req + 1] = start + n
+
+    @pl.when(req == 0)
+    def _():
+      indptr_ref[0] = jnp.int32(0)
+
+  def write_tokens(c, carry):
+    t = c * chunk + lane
+    live = (t < n) & (start + t < capacity)
     block = t // kernel_block_size
     valid = live & (block < num_blocks)
     base = plgpu.load(bt_ref.at[req * num_blocks + jnp.where(valid, block, 0)], mask=valid,
                       other=0)
     pages = jnp.where(valid, base * kernel_block_size + t % kernel_block_size, -1)
-    plgpu.store(out_ref.at[pl.ds(start + i * chunk, chunk)], pages, mask=live)
+    plgpu.store(pages_ref.at[pl.ds(start + c * chunk, chunk)], pages, mask=live)
     return carry
 
-  lax.fori_loop(0, (jnp.minimum(n, capacity) + chunk - 1) // chunk, write_tokens, 0)
+  # Chunks j, j + num_chunks, ...: one pass in the common case that the grid covers
+  # the table; requests longer than the table (their tail is -1) loop further.
+  todo = (jnp.minimum(n, capacity) + chunk - 1) // chunk
+  lax.fori_loop(0, (todo - j + num_chunks - 1) // num_chunks,
+                lambda i, carry: write_tokens(j + i * num_chunks, carry), 0)
 
-  # The unused tail [total, capacity) is shared out among the programs.
-  total = jnp.minimum(indptr_ref[num_reqs], capacity)
-  share = (capacity - total + num_reqs - 1) // num_reqs
-  tail_start = total + req * share
+  # The unused tail [total, capacity) is shared out among all programs.
+  total = jnp.minimum(lens_sum(num_reqs), capacity)
+  programs = num_reqs * num_chunks
+  share = (capacity - total + programs - 1) // programs
+  tail_start = total + (req * num_chunks + j) * share
   tail_end = jnp.minimum(tail_start + share, capacity)
 
   def write_tail(i, carry):
     pos = tail_start + i * chunk + lane
-    live = pos < tail_end
-    plgpu.store(out_ref.at[pl.ds(tail_start + i * chunk, chunk)],
-                jnp.full((chunk,), -1, jnp.int32), mask=live)
+    plgpu.store(pages_ref.at[pl.ds(tail_start + i * chunk, chunk)],
+                jnp.full((chunk,), -1, jnp.int32), mask=pos < tail_end)
     return carry
 
   lax.fori_loop(0, (share + chunk - 1) // chunk, write_tail, 0)
 
 
 def expand_page_indices(block_table, seq_lens, *, kernel_block_size, capacity, interpret=False,
-                        chunk=1024):
+                        chunk=1024, lens_chunk=256, num_warps=4):
   num_reqs, num_blocks = block_table.shape
-  indptr = jnp.concatenate(
-      [jnp.zeros((1,), jnp.int32), jnp.cumsum(seq_lens.astype(jnp.int32))]).astype(jnp.int32)
+  chunk = min(chunk, pl.next_power_of_2(max(num_blocks * kernel_block_size, 1)))
   kernel = functools.partial(
       _expand_kernel, num_reqs=num_reqs, num_blocks=num_blocks,
-      kernel_block_size=kernel_block_size, capacity=capacity, chunk=chunk)
-  pages = pl.pallas_call(
+      kernel_block_size=kernel_block_size, capacity=capacity, chunk=chunk,
+      lens_chunk=min(lens_chunk, pl.next_power_of_2(num_reqs)))
+  return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((capacity,), jnp.int32),
-      grid=(num_reqs,),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      out_shape=(jax.ShapeDtypeStruct((capacity,), jnp.int32),
+                 jax.ShapeDtypeStruct((num_reqs + 1,), jnp.int32)),
+      grid=(num_reqs, max(1, cdiv(num_blocks * kernel_block_size, chunk))),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="expand_page_indices",
-  )(block_table.reshape(-1), seq_lens.astype(jnp.int32), indptr)
-  return pages, indptr
+  )(block_table.reshape(-1), seq_lens.astype(jnp.int32))

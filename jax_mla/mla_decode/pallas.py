@@ -39,6 +39,15 @@ _LOG2E = 1.4426950408889634
 _LN2 = math.log(2.0)
 
 
+def _cols(rows, start, size):
+  """Index arrays for ``ref[rows, start:start+size]`` (a row gather).
+
+  Array indexers on both axes work in the Triton lowering and in interpret mode
+  (which cannot mix an array with a slice).
+  """
+  return rows[:, None], start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
+
+
 def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse_ref, *,
                    h_q, num_rows, block_m, block_n, page_size, num_pages, num_page_ids,
                    num_splits, causal):
@@ -48,7 +57,7 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
   kv_len = meta_ref[2, g]
   causal_base = meta_ref[3, g]
   page_base = meta_ref[4, g]
-  qk_scale = scales_ref[0]  # sm_scale * q_scale * kv_scale * log2(e)
+  qk_scale = scales_ref[0]  # sm_scale * q_scale * k_scale * log2(e)
   v_scale = scales_ref[1]
 
   m = mt * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -70,8 +79,8 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
   end = jnp.minimum(lo + chunk, hi)
   num_iters = pl.cdiv(jnp.maximum(end - lo, 0), block_n)
 
-  q_nope = plgpu.load(q_ref.at[rows, pl.ds(0, D_NOPE)], mask=row_ok[:, None], other=0.0)
-  q_rope = plgpu.load(q_ref.at[rows, pl.ds(D_NOPE, D_ROPE)], mask=row_ok[:, None], other=0.0)
+  q_nope = plgpu.load(q_ref.at[_cols(rows, 0, D_NOPE)], mask=row_ok[:, None], other=0.0)
+  q_rope = plgpu.load(q_ref.at[_cols(rows, D_NOPE, D_ROPE)], mask=row_ok[:, None], other=0.0)
   q_nope = q_nope.astype(jnp.bfloat16)
   q_rope = q_rope.astype(jnp.bfloat16)
 
@@ -86,8 +95,8 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
     k_ok = t_ok & (page >= 0) & (page < num_pages)
     slot = jnp.where(k_ok, page * page_size + t % page_size, 0)
     # Masked rows load as zero, so NaN in unused slots never enters a dot.
-    k_nope = plgpu.load(kv_ref.at[slot, pl.ds(0, D_NOPE)], mask=k_ok[:, None], other=0.0)
-    k_rope = plgpu.load(kv_ref.at[slot, pl.ds(D_NOPE, D_ROPE)], mask=k_ok[:, None], other=0.0)
+    k_nope = plgpu.load(kv_ref.at[_cols(slot, 0, D_NOPE)], mask=k_ok[:, None], other=0.0)
+    k_rope = plgpu.load(kv_ref.at[_cols(slot, D_NOPE, D_ROPE)], mask=k_ok[:, None], other=0.0)
     k_nope = k_nope.astype(jnp.bfloat16)
     k_rope = k_rope.astype(jnp.bfloat16)
     nt = (((1,), (1,)), ((), ()))
@@ -118,7 +127,7 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
   # Partials mark empty splits -inf (weight 0); the final result uses +inf.
   lse = jnp.where(empty, jnp.inf if num_splits == 1 else -jnp.inf, lse)
   out_rows = jnp.where(row_ok, split * num_rows + rows, 0)
-  plgpu.store(o_ref.at[out_rows, pl.ds(0, D_NOPE)], out.astype(o_ref.dtype), mask=row_ok[:, None])
+  plgpu.store(o_ref.at[_cols(out_rows, 0, D_NOPE)], out.astype(o_ref.dtype), mask=row_ok[:, None])
   plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
 
 
@@ -178,7 +187,7 @@ def paged_mla_decode(q2d, kv2d, meta, page_ids, scales, *, h_q, rows_per_group, 
     kv2d: ``[num_pages*page_size, 576]`` bf16 or fp8 latent cache.
     meta: ``i32[5, G]`` rows ``q_start, q_len, kv_len, causal_base, page_base``.
     page_ids: ``i32[N]`` page ids indexed by ``page_base + t // page_size``.
-    scales: ``f32[2]``: ``sm_scale*q_scale*kv_scale*log2(e)`` and ``kv_scale``.
+    scales: ``f32[2]``: ``sm_scale*q_scale*k_scale*log2(e)`` and ``v_scale``.
     rows_per_group: static bound on ``q_len * h_q`` of any group.
 
   Returns:
@@ -209,8 +218,9 @@ def paged_mla_decode(q2d, kv2d, meta, page_ids, scales, *, h_q, rows_per_group, 
                         lse.reshape(num_splits, num_rows), out_dtype)
 
 
-def qk_scales(sm_scale: float, q_scale, kv_scale) -> jax.Array:
+def kernel_scales(sm_scale: float, q_scale=None, k_scale=None, v_scale=None) -> jax.Array:
   """The kernel's ``scales`` operand from per-tensor scales (None means 1)."""
-  qs = jnp.asarray(1.0 if q_scale is None else q_scale, jnp.float32).reshape(())
-  ks = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(())
-  return jnp.stack([sm_scale * _LOG2E * qs * ks, ks])
+  def as_scalar(x):
+    return jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(())
+  return jnp.stack([sm_scale * _LOG2E * as_scalar(q_scale) * as_scalar(k_scale),
+                    as_scalar(v_scale)])

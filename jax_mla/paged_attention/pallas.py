@@ -76,18 +76,20 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
   def body(j, carry):
     m, l, acc = carry
     pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    logical = pos // block_size
+    # lax.div/rem (not // and %, which add sign fixes) keep the offsets' contiguity
+    # visible to Triton, which then issues vector loads.
+    logical = lax.div(pos, block_size)
     valid = (pos < seq_len) & (logical < max_blocks)
     if sliding_window > 0:
       valid &= (seq_len - 1 - pos) < sliding_window
     blk = _load(bt_ref.at[s, logical], valid)
     valid &= (blk >= 0) & (blk < num_blocks)
-    off = pos % block_size
+    off = lax.rem(pos, block_size)
     kv_mask = valid[:, None] & d_ok[None, :]
 
     def gather(ref, x):  # [block_n, d_pad] rows of this tile; masked slots read as 0
-      return _load(ref.at[blk[:, None], h, (d // x)[None, :], off[:, None], (d % x)[None, :]],
-                   kv_mask)
+      return _load(ref.at[blk[:, None], h, lax.div(d, x)[None, :], off[:, None],
+                          lax.rem(d, x)[None, :]], kv_mask)
 
     k = gather(k_ref, k_x).astype(q.dtype)
     scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),

@@ -1,0 +1,484 @@
+"""DeepSeek V4 sparse attention backend (vLLM ``DeepseekV4...MLASparse``), functional JAX.
+
+A DeepSeek V4 attention layer keeps two caches in the ``fp8_model1`` format
+(512-wide latent: 448 NoPE fp8 + 64 RoPE bf16, UE8M0 scales):
+
+* a sliding-window (SWA) cache of raw tokens, paged by absolute position;
+* for ``compress_ratio`` 4 or 128, a compressed cache of one entry per
+  ``compress_ratio`` tokens (written by the model's compressor), paged with
+  ``block_size // compress_ratio`` entries per block.
+
+The latent is both K and V (``d_v = 512``), the softmax scale is
+``head_dim ** -0.5`` and every head has an attention sink. A token at position
+``pos`` attends to the last ``min(pos + 1, window_size)`` raw tokens and to
+``min((pos + 1) // compress_ratio, topk)`` compressed entries, in one softmax with
+the sink: for ratio 4 the entries are the indexer's top-k, for ratio 128 all of
+them, for ratio 1 none.
+
+Decode tokens go through :func:`jax_mla.sparse_mla.sparse_mla_decode` with the SWA
+cache as the main set and the compressed cache as the extra set. Prefill requests
+go in chunks of ``prefill_chunk_size``: each chunk dequantizes its compressed
+entries and SWA tokens into a bf16 workspace and runs
+:func:`jax_mla.sparse_mla.sparse_mla_prefill` over it with per-token lengths.
+
+Typical use (one step; the batch is ordered decodes first, as vLLM orders it)::
+
+  cfg = DeepseekV4Config(num_heads=64, window_size=128, compress_ratio=4)
+  counts = split_decodes_and_prefills(query_start_loc_host)
+  md = build_deepseek_v4_metadata(cfg, query_start_loc, seq_lens, slot_mapping,
+                                  swa_block_table, block_table, num_decodes=counts[0],
+                                  num_decode_tokens=counts[2])
+  out, swa_cache = deepseek_v4_sparse_forward(q, kv, swa_cache, compressed_cache, md,
+                                              attn_sink, topk_indices, config=cfg)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mla import _common as c
+from jax_mla.backends import deepseek_v4_indices as idx
+from jax_mla.cache import concat_and_cache_mla
+from jax_mla.indexing import req_id_per_token
+from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+
+COMPRESS_RATIOS = (1, 4, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Config:
+  """Static configuration of one DeepSeek V4 attention layer (hashable: a jit static arg).
+
+  Attributes:
+    num_heads: query heads of this rank.
+    window_size: sliding-window length in tokens.
+    compress_ratio: 1 (window only), 4 (indexer top-k) or 128 (all compressed entries).
+    max_model_len: longest sequence; sizes the compressed part of the prefill
+      workspace (``cdiv(max_model_len, compress_ratio)`` rows per request) and the
+      ratio-128 top-k width.
+    index_topk: width of the ratio-4 indexer output.
+    block_size: tokens per block of the compressed layer's block table; the
+      compressed cache holds ``block_size // compress_ratio`` entries per block.
+    swa_block_size: tokens per SWA cache block.
+    kv_cache_dtype: cache format, ``"fp8_model1"``.
+    prefill_chunk_size: prefill requests per workspace chunk.
+    scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
+  """
+  num_heads: int
+  window_size: int
+  compress_ratio: int = 1
+  max_model_len: int = 65536
+  index_topk: int = 512
+  block_size: int = 256
+  swa_block_size: int = 64
+  head_dim: int = 512
+  rope_head_dim: int = 64
+  kv_cache_dtype: str = "fp8_model1"
+  prefill_chunk_size: int = 4
+  scale: float | None = None
+
+  def __post_init__(self):
+    c.check_one_of("compress_ratio", self.compress_ratio, COMPRESS_RATIOS)
+    c.check_one_of("head_dim", self.head_dim, (512,))
+    c.check_one_of("rope_head_dim", self.rope_head_dim, (64,))
+    c.check_one_of("kv_cache_dtype", self.kv_cache_dtype, ("fp8_model1",))
+    for name in ("num_heads", "window_size", "max_model_len", "index_topk", "block_size",
+                 "swa_block_size", "prefill_chunk_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+    if self.block_size % self.compress_ratio:
+      raise ValueError(f"block_size ({self.block_size}) must be a multiple of compress_ratio "
+                       f"({self.compress_ratio})")
+
+  @property
+  def nope_head_dim(self) -> int:
+    return self.head_dim - self.rope_head_dim
+
+  @property
+  def sm_scale(self) -> float:
+    return self.head_dim ** -0.5 if self.scale is None else float(self.scale)
+
+  @property
+  def compressed_block_size(self) -> int:
+    """Entries per block of the compressed cache."""
+    return self.block_size // self.compress_ratio
+
+  @property
+  def max_compressed(self) -> int:
+    """``N``: compressed entries of the longest sequence (0 for ratio 1)."""
+    return 0 if self.compress_ratio == 1 else c.cdiv(self.max_model_len, self.compress_ratio)
+
+  @property
+  def topk(self) -> int:
+    """Compressed entries a token may attend to: 0, ``index_topk`` or ``max_compressed``."""
+    return {1: 0, 4: self.index_topk, 128: self.max_compressed}[self.compress_ratio]
+
+
+_DATA_FIELDS = (
+    "query_start_loc", "seq_lens", "positions", "token_to_req_indices", "is_valid_token",
+    "slot_mapping", "swa_block_table", "block_table", "decode_swa_indices", "decode_swa_lens",
+    "prefill_seq_lens", "prefill_gather_lens", "c128a_global_decode_topk_indices",
+    "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
+_META_FIELDS = ("num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens",
+                "prefill_chunk_capacity")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_DATA_FIELDS),
+                   meta_fields=list(_META_FIELDS))
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Metadata:
+  """Per-step metadata of the DeepSeek V4 path (a pytree; counts are static fields).
+
+  Tokens are ordered decodes first. ``T = num_decode_tokens + num_prefill_tokens``,
+  ``Td = num_decode_tokens``, ``P = num_prefills``.
+
+  Attributes:
+    query_start_loc: int32 ``[R + 1]``; seq_lens: int32 ``[R]`` (including new tokens).
+    positions, token_to_req_indices: int32 ``[T]``; is_valid_token: bool ``[T]``.
+    slot_mapping: int32 ``[T]`` SWA cache slot of each new token (``-1`` = padding).
+    swa_block_table: int32 ``[R, Bs]``; block_table: int32 ``[R, Bc]`` of the
+      compressed layer (None for ratio 1).
+    decode_swa_indices: int32 ``[Td, window_size]`` SWA slots; decode_swa_lens ``[Td]``.
+    prefill_seq_lens, prefill_gather_lens: int32 ``[P]``.
+    c128a_*: ratio-128 top-k lists (None otherwise): global decode slots
+      ``[Td, topk]`` with lengths ``[Td]``, and request-local prefill ids ``[T - Td, topk]``.
+    prefill_chunk_capacity: static bound on the query tokens of one prefill chunk.
+  """
+  query_start_loc: jax.Array
+  seq_lens: jax.Array
+  positions: jax.Array
+  token_to_req_indices: jax.Array
+  is_valid_token: jax.Array
+  slot_mapping: jax.Array
+  swa_block_table: jax.Array
+  block_table: jax.Array | None
+  decode_swa_indices: jax.Array
+  decode_swa_lens: jax.Array
+  prefill_seq_lens: jax.Array
+  prefill_gather_lens: jax.Array
+  c128a_global_decode_topk_indices: jax.Array | None
+  c128a_decode_topk_lens: jax.Array | None
+  c128a_prefill_topk_indices: jax.Array | None
+  num_decodes: int
+  num_prefills: int
+  num_decode_tokens: int
+  num_prefill_tokens: int
+  prefill_chunk_capacity: int
+
+
+def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1
+                               ) -> tuple[int, int, int, int]:
+  """Host-side split of a batch ordered decodes first (vLLM's helper).
+
+  Requests with ``query_len <= decode_threshold`` at the front are decodes.
+
+  Args:
+    query_start_loc: concrete int ``[R + 1]`` (numpy or a committed jax array).
+
+  Returns:
+    ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
+  """
+  qsl = np.asarray(query_start_loc)
+  query_lens = np.diff(qsl)
+  is_prefill = query_lens > decode_threshold
+  num_decodes = int(np.argmax(is_prefill)) if is_prefill.any() else len(query_lens)
+  num_decode_tokens = int(qsl[num_decodes] - qsl[0])
+  return (num_decodes, len(query_lens) - num_decodes, num_decode_tokens,
+          int(qsl[-1] - qsl[0]) - num_decode_tokens)
+
+
+def _chunk_capacity(query_start_loc, config, num_decodes, num_prefills, num_prefill_tokens):
+  """Static query-token bound of one prefill chunk: exact (power-of-two bucket) when
+  ``query_start_loc`` is concrete, else every prefill token."""
+  if num_prefills == 0:
+    return 0
+  try:
+    qsl = np.asarray(query_start_loc)[num_decodes:]
+  except jax.errors.TracerArrayConversionError:
+    return num_prefill_tokens
+  starts = qsl[0:num_prefills:config.prefill_chunk_size]
+  ends = qsl[np.minimum(np.arange(len(starts)) * config.prefill_chunk_size
+                        + config.prefill_chunk_size, num_prefills)]
+  return max(1, min(num_prefill_tokens, c.next_pow2(int(np.max(ends - starts)))))
+
+
+def build_deepseek_v4_metadata(
+    config: DeepseekV4Config, query_start_loc: jax.Array, seq_lens: jax.Array,
+    slot_mapping: jax.Array, swa_block_table: jax.Array, block_table: jax.Array | None = None,
+    *, num_decodes: int, num_decode_tokens: int) -> DeepseekV4Metadata:
+  """Builds :class:`DeepseekV4Metadata` (vLLM's SWA + FlashMLASparse V4 builders in one).
+
+  Args:
+    config: the layer configuration.
+    query_start_loc: int32 ``[R + 1]`` (decodes first). When concrete, the prefill
+      chunk capacity is sized exactly; under tracing it is every prefill token.
+    seq_lens: int32 ``[R]``, context length of each request including new tokens.
+    slot_mapping: int32 ``[T]`` SWA cache slot of every token (``-1`` = padding);
+      ``T`` is the padded token count.
+    swa_block_table: int32 ``[R, Bs]``.
+    block_table: int32 ``[R, Bc]`` of the compressed layer (required for ratio 4/128).
+    num_decodes, num_decode_tokens: static, e.g. from :func:`split_decodes_and_prefills`.
+  """
+  for name, x in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                  ("slot_mapping", slot_mapping), ("swa_block_table", swa_block_table)):
+    c.check_int32(name, x)
+  c.check_rank("seq_lens", seq_lens, 1)
+  c.check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
+  c.check_rank("slot_mapping", slot_mapping, 1)
+  c.check_shape("swa_block_table", swa_block_table, (seq_lens.shape[0], None))
+  if config.compress_ratio > 1:
+    if block_table is None:
+      raise ValueError(f"block_table is required for compress_ratio={config.compress_ratio}")
+    c.check_int32("block_table", block_table)
+    c.check_shape("block_table", block_table, (seq_lens.shape[0], None))
+  num_reqs, num_tokens = seq_lens.shape[0], slot_mapping.shape[0]
+  if not 0 <= num_decodes <= num_reqs or not 0 <= num_decode_tokens <= num_tokens:
+    raise ValueError(f"need 0 <= num_decodes <= {num_reqs} and 0 <= num_decode_tokens <= "
+                     f"{num_tokens}; got {num_decodes}, {num_decode_tokens}")
+  num_prefills, num_prefill_tokens = num_reqs - num_decodes, num_tokens - num_decode_tokens
+  query_start_loc_a = jnp.asarray(query_start_loc)
+  token_to_req = req_id_per_token(query_start_loc_a, num_tokens=num_tokens)
+  token = jnp.arange(num_tokens, dtype=jnp.int32)
+  positions = idx.token_positions(query_start_loc_a, seq_lens, token_to_req, token)
+  is_valid = slot_mapping >= 0
+  td = num_decode_tokens
+  swa_indices, swa_lens = idx.compute_swa_indices_and_lens(
+      query_start_loc_a, seq_lens, token_to_req[:td], is_valid[:td], swa_block_table,
+      window_size=config.window_size, block_size=config.swa_block_size)
+  prefill_seq_lens = seq_lens[num_decodes:]
+  gather_lens = idx.compute_prefill_gather_lens(
+      query_start_loc_a[num_decodes:], prefill_seq_lens, window_size=config.window_size)
+  c128a = (None, None, None)
+  if config.compress_ratio == 128:
+    c128a = idx.build_c128a_topk_metadata(
+        positions, token_to_req, block_table, slot_mapping, compress_ratio=128,
+        topk=config.topk, num_decode_tokens=td, block_size=config.compressed_block_size)
+  return DeepseekV4Metadata(
+      query_start_loc=query_start_loc_a, seq_lens=seq_lens, positions=positions,
+      token_to_req_indices=token_to_req, is_valid_token=is_valid, slot_mapping=slot_mapping,
+      swa_block_table=swa_block_table,
+      block_table=block_table if config.compress_ratio > 1 else None,
+      decode_swa_indices=swa_indices, decode_swa_lens=swa_lens,
+      prefill_seq_lens=prefill_seq_lens, prefill_gather_lens=gather_lens,
+      c128a_global_decode_topk_indices=c128a[0], c128a_decode_topk_lens=c128a[1],
+      c128a_prefill_topk_indices=c128a[2], num_decodes=num_decodes, num_prefills=num_prefills,
+      num_decode_tokens=td, num_prefill_tokens=num_prefill_tokens,
+      prefill_chunk_capacity=_chunk_capacity(query_start_loc, config, num_decodes,
+                                             num_prefills, num_prefill_tokens))
+
+
+def _check_layer_args(config, q, swa_cache, compressed_cache, attn_sink, topk_indices,
+                      num_tokens):
+  c.check_rank("q", q, 3)
+  c.check_shape("q", q, (num_tokens, config.num_heads, config.head_dim))
+  c.check_dtype("q", q, jnp.bfloat16)
+  c.check_rank("swa_cache", swa_cache, 3)
+  if swa_cache.shape[1] != config.swa_block_size:
+    raise ValueError(f"swa_cache block size (shape[1]) must be config.swa_block_size="
+                     f"{config.swa_block_size}; got shape {tuple(swa_cache.shape)}")
+  if attn_sink is not None:
+    c.check_shape("attn_sink", attn_sink, (config.num_heads,))
+    c.check_dtype("attn_sink", attn_sink, jnp.float32)
+  if config.compress_ratio > 1:
+    if compressed_cache is None:
+      raise ValueError(f"compressed_cache is required for compress_ratio={config.compress_ratio}")
+    c.check_rank("compressed_cache", compressed_cache, 3)
+    if compressed_cache.shape[1] != config.compressed_block_size:
+      raise ValueError(
+          f"compressed_cache block size (shape[1]) must be block_size // compress_ratio = "
+          f"{config.compressed_block_size}; got shape {tuple(compressed_cache.shape)}")
+  if config.compress_ratio == 4:
+    if topk_indices is None:
+      raise ValueError("topk_indices (the indexer output) is required for compress_ratio=4")
+    c.check_int32("topk_indices", topk_indices)
+    c.check_shape("topk_indices", topk_indices, (num_tokens, config.index_topk))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"))
+def deepseek_v4_sparse_decode(
+    q: jax.Array, swa_cache: jax.Array, compressed_cache: jax.Array | None,
+    metadata: DeepseekV4Metadata, attn_sink: jax.Array | None,
+    topk_indices: jax.Array | None = None, *, config: DeepseekV4Config,
+    implementation: c.Implementation = None, interpret: bool = False) -> jax.Array:
+  """Attention of the decode tokens (vLLM ``_forward_decode``).
+
+  Each decode token is one row of :func:`sparse_mla_decode`: its window slots in
+  the SWA cache are the main set, its compressed slots (ratio 4: the indexer's
+  top-k through the block table; ratio 128: all entries so far) the extra set.
+
+  Args:
+    q: bf16 ``[Td, num_heads, 512]``, the decode tokens' queries.
+    swa_cache, compressed_cache: ``fp8_model1`` caches (``compressed_cache`` None for ratio 1).
+    metadata: from :func:`build_deepseek_v4_metadata`.
+    attn_sink: float32 ``[num_heads]`` or None.
+    topk_indices: int32 ``[Td, index_topk]`` request-local compressed ids (ratio 4).
+
+  Returns:
+    bf16 ``[Td, num_heads, 512]``; a token with nothing to attend to (padding) gets 0.
+  """
+  td = metadata.num_decode_tokens
+  _check_layer_args(config, q, swa_cache, compressed_cache, attn_sink, topk_indices, td)
+  if td == 0:
+    return jnp.zeros(q.shape, jnp.bfloat16)
+  extra = {}
+  if config.compress_ratio == 4:
+    extra_indices, extra_lens = idx.compute_global_topk_indices_and_lens(
+        topk_indices, metadata.token_to_req_indices[:td], metadata.block_table,
+        metadata.is_valid_token[:td], block_size=config.compressed_block_size)
+  elif config.compress_ratio == 128:
+    extra_indices = metadata.c128a_global_decode_topk_indices
+    extra_lens = metadata.c128a_decode_topk_lens
+  if config.compress_ratio > 1:
+    extra = dict(extra_kv_cache=compressed_cache, extra_indices=extra_indices[:, None, :],
+                 extra_topk_length=extra_lens)
+  out, _ = sparse_mla_decode(
+      q[:, None], swa_cache, metadata.decode_swa_indices[:, None, :],
+      kv_cache_dtype=config.kv_cache_dtype, sm_scale=config.sm_scale, d_v=config.head_dim,
+      attn_sink=attn_sink, topk_length=metadata.decode_swa_lens, implementation=implementation,
+      interpret=interpret, **extra)
+  return out[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"))
+def deepseek_v4_sparse_prefill(
+    q: jax.Array, swa_cache: jax.Array, compressed_cache: jax.Array | None,
+    metadata: DeepseekV4Metadata, attn_sink: jax.Array | None,
+    topk_indices: jax.Array | None = None, *, config: DeepseekV4Config,
+    implementation: c.Implementation = None, interpret: bool = False) -> jax.Array:
+  """Attention of the prefill tokens (vLLM ``_forward_prefill``), in request chunks.
+
+  For each chunk of ``config.prefill_chunk_size`` requests, a bf16 workspace of
+  ``M = N + window_size - 1 + prefill_chunk_capacity`` rows per request receives the
+  request's compressed entries (rows ``[0, seq_len // ratio)``) and its last
+  ``gather_len`` SWA tokens (from row ``N``); :func:`combine_topk_swa_indices` lists
+  each token's rows and :func:`sparse_mla_prefill` attends over them with the sink.
+
+  Args:
+    q: bf16 ``[Tp, num_heads, 512]``, the prefill tokens' queries.
+    topk_indices: int32 ``[Tp, index_topk]`` request-local compressed ids (ratio 4).
+    Others as :func:`deepseek_v4_sparse_decode`.
+
+  Returns:
+    bf16 ``[Tp, num_heads, 512]``; padding tokens past the last request get 0.
+  """
+  tp, cap = metadata.num_prefill_tokens, metadata.prefill_chunk_capacity
+  _check_layer_args(config, q, swa_cache, compressed_cache, attn_sink, topk_indices, tp)
+  out = jnp.zeros(q.shape, jnp.bfloat16)
+  if tp == 0 or metadata.num_prefills == 0:
+    return out
+  ratio, n, topk, w = config.compress_ratio, config.max_compressed, config.topk, config.window_size
+  m = n + w - 1 + cap
+  if ratio == 128:
+    topk_indices = metadata.c128a_prefill_topk_indices
+  elif ratio == 1:
+    topk_indices = jnp.zeros((tp, 0), jnp.int32)
+  nd = metadata.num_decodes
+  # prefill-relative token numbering
+  qsl = metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]
+  swa_bt = metadata.swa_block_table[nd:]
+  for chunk_start in range(0, metadata.num_prefills, config.prefill_chunk_size):
+    chunk_end = min(chunk_start + config.prefill_chunk_size, metadata.num_prefills)
+    cs = chunk_end - chunk_start
+    seq_lens = metadata.prefill_seq_lens[chunk_start:chunk_end]
+    gather_lens = metadata.prefill_gather_lens[chunk_start:chunk_end]
+    kv = jnp.zeros((cs, m, config.head_dim), jnp.bfloat16)
+    if ratio > 1:
+      kv = idx.dequantize_and_gather_k_cache(
+          kv, compressed_cache, seq_lens // ratio, None,
+          metadata.block_table[nd + chunk_start:nd + chunk_end], offset=0, capacity=n,
+          kv_cache_dtype=config.kv_cache_dtype)
+    kv = idx.dequantize_and_gather_k_cache(
+        kv, swa_cache, seq_lens, gather_lens, swa_bt[chunk_start:chunk_end], offset=n,
+        capacity=m - n, kv_cache_dtype=config.kv_cache_dtype)
+    # The chunk's queries are a dynamic row range of at most `cap` rows: take a
+    # static `cap`-row window that contains it (clamped inside the array).
+    first, last = qsl[chunk_start], qsl[chunk_end]
+    start = jnp.clip(first, 0, tp - cap)
+    q_c = jax.lax.dynamic_slice_in_dim(q, start, cap)
+    topk_c = jax.lax.dynamic_slice_in_dim(topk_indices, start, cap)
+    indices, lens = idx.combine_topk_swa_indices(
+        topk_c, qsl[chunk_start:chunk_end + 1] - start, seq_lens, gather_lens, window_size=w,
+        compress_ratio=ratio, topk=topk, M=m, N=n)
+    out_c, _, _ = sparse_mla_prefill(
+        q_c, kv.reshape(cs * m, config.head_dim), indices, sm_scale=config.sm_scale,
+        d_v=config.head_dim, attn_sink=attn_sink, topk_length=lens,
+        implementation=implementation, interpret=interpret)
+    row = start + jnp.arange(cap)
+    mine = ((row >= first) & (row < last))[:, None, None]
+    old = jax.lax.dynamic_slice_in_dim(out, start, cap)
+    out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, out_c, old), start, 0)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("swa_cache",))
+def deepseek_v4_write_swa_cache(kv: jax.Array, swa_cache: jax.Array, metadata: DeepseekV4Metadata,
+                                *, config: DeepseekV4Config) -> jax.Array:
+  """Writes the new tokens' latents ``kv`` (bf16 ``[T, 512]``: NoPE then RoPE) into the
+  SWA cache at ``metadata.slot_mapping`` (``-1`` skipped); returns the cache (donated)."""
+  c.check_shape("kv", kv, (metadata.slot_mapping.shape[0], config.head_dim))
+  return concat_and_cache_mla(kv[:, :config.nope_head_dim], kv[:, config.nope_head_dim:],
+                              swa_cache, metadata.slot_mapping,
+                              kv_cache_dtype=config.kv_cache_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"),
+                   donate_argnames=("swa_cache",))
+def deepseek_v4_sparse_forward(
+    q: jax.Array, kv: jax.Array | None, swa_cache: jax.Array,
+    compressed_cache: jax.Array | None, metadata: DeepseekV4Metadata,
+    attn_sink: jax.Array | None, topk_indices: jax.Array | None = None, *,
+    config: DeepseekV4Config, implementation: c.Implementation = None,
+    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """One DeepSeek V4 attention layer step: SWA cache write, then decode and prefill.
+
+  Args:
+    q: bf16 ``[T, num_heads, 512]`` (decode tokens first; RoPE already applied).
+    kv: bf16 ``[T, 512]`` new latents written to the SWA cache first, or None when
+      the cache already holds them.
+    swa_cache: ``fp8_model1`` uint8 ``[num_blocks, swa_block_size, bytes]`` (donated).
+    compressed_cache: ``fp8_model1`` cache of the compressed entries (ratio 4/128),
+      already holding every entry up to ``seq_len // compress_ratio``.
+    metadata: from :func:`build_deepseek_v4_metadata`.
+    attn_sink: float32 ``[num_heads]`` or None.
+    topk_indices: int32 ``[T, index_topk]`` request-local compressed ids from the
+      indexer (ratio 4 only).
+    config: static layer configuration.
+    implementation, interpret: forwarded to the sparse-MLA ops.
+
+  Returns:
+    ``(out bf16[T, num_heads, 512], swa_cache)``.
+  """
+  if kv is not None:
+    swa_cache = deepseek_v4_write_swa_cache(kv, swa_cache, metadata, config=config)
+  td = metadata.num_decode_tokens
+  tk_d = tk_p = None
+  if topk_indices is not None:
+    tk_d, tk_p = topk_indices[:td], topk_indices[td:]
+  kw = dict(config=config, implementation=implementation, interpret=interpret)
+  out_d = deepseek_v4_sparse_decode(q[:td], swa_cache, compressed_cache, metadata, attn_sink,
+                                    tk_d, **kw)
+  out_p = deepseek_v4_sparse_prefill(q[td:], swa_cache, compressed_cache, metadata, attn_sink,
+                                     tk_p, **kw)
+  return jnp.concatenate([out_d, out_p], axis=0), swa_cache
+
+
+# The backend's entry points under one name (a namespace of functions, nothing to subclass).
+DeepseekV4Sparse = types.SimpleNamespace(
+    Config=DeepseekV4Config, Metadata=DeepseekV4Metadata,
+    split_decodes_and_prefills=split_decodes_and_prefills,
+    build_metadata=build_deepseek_v4_metadata, write_swa_cache=deepseek_v4_write_swa_cache,
+    forward=deepseek_v4_sparse_forward, forward_decode=deepseek_v4_sparse_decode,
+    forward_prefill=deepseek_v4_sparse_prefill)
+
+
+__all__ = [
+    "DeepseekV4Config", "DeepseekV4Metadata", "DeepseekV4Sparse", "build_deepseek_v4_metadata",
+    "deepseek_v4_sparse_decode", "deepseek_v4_sparse_forward", "deepseek_v4_sparse_prefill",
+    "deepseek_v4_write_swa_cache", "split_decodes_and_prefills",
+]

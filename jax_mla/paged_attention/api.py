@@ -1,0 +1,185 @@
+"""Public entry point: ``paged_attention`` (vLLM ``kernel_paged_attention_2d`` semantics)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_mla._common import (
+    Implementation,
+    check_dtype,
+    check_int32,
+    check_rank,
+    check_shape,
+    resolve_implementation,
+)
+from jax_mla.paged_attention.pallas import paged_attention_pallas
+from jax_mla.paged_attention.reference import key_view, paged_attention_xla, value_view
+
+_QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def _value_is_dim_major(key_cache, value_cache, head_dim: int, block_size: int) -> bool:
+  """True for V ``[nb, Hkv, D, bs]``, False for ``[nb, Hkv, bs, D]``.
+
+  Read from V's shape; when ``D == bs`` both read alike and V follows K: a 5-D
+  (vLLM) key cache pairs with the dim-major value cache as in vLLM, a 4-D
+  token-major key cache with a token-major value cache.
+  """
+  tail = tuple(value_cache.shape[2:])
+  if head_dim == block_size:
+    return key_cache.ndim == 5
+  if tail == (head_dim, block_size):
+    return True
+  if tail == (block_size, head_dim):
+    return False
+  raise ValueError(
+      f"value_cache must have shape [nb, Hkv, {head_dim}, {block_size}] or "
+      f"[nb, Hkv, {block_size}, {head_dim}] (head size {head_dim}, block size {block_size}); "
+      f"got {list(value_cache.shape)}")
+
+
+def _check_scalar(name, x):
+  if x is not None and jnp.ndim(x) != 0:
+    raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(x)}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sliding_window", "physical_block_size", "implementation", "interpret",
+                     "num_kv_splits", "has_out_scale"))
+def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
+                     v_scale, sinks, alibi_slopes, query_start_loc, out_scale, *,
+                     sliding_window, physical_block_size, implementation, interpret,
+                     num_kv_splits, has_out_scale):
+  del physical_block_size  # validated against the cache; the views carry it
+  t, hq, head_dim = query.shape
+  kv = key_view(key_cache)
+  nb, hkv, _, block_size, _ = kv.data.shape
+  vv = value_view(value_cache, _value_is_dim_major(key_cache, value_cache, head_dim, block_size))
+  kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                query_start_loc=query_start_loc, out_scale=out_scale if has_out_scale else None)
+  if implementation == "xla":
+    return paged_attention_xla(query, kv, vv, block_tables, seq_lens,
+                               physical_block_size=block_size, **kwargs)
+  return paged_attention_pallas(query, kv, vv, block_tables, seq_lens,
+                                num_kv_splits=num_kv_splits, interpret=interpret, **kwargs)
+
+
+def paged_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float | jax.Array,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int = 0,
+    query_start_loc: jax.Array | None = None,
+    out_scale: float | jax.Array | None = None,
+    physical_block_size: int | None = None,
+    num_kv_splits: int | None = None,
+    implementation: Implementation = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Paged decode attention over a vLLM-style block cache (one query token per sequence).
+
+  Args:
+    query: ``[T, Hq, D]`` bf16/f16/f32. Without ``query_start_loc``, row ``s`` is
+      the query of sequence ``s`` (``T == S``).
+    key_cache: ``[nb, Hkv, D // x, bs, x]`` (vLLM) or ``[nb, Hkv, bs, D]``; the
+      query dtype, or fp8 (``float8_e4m3fn``/``float8_e5m2``) read as ``k_scale * k``.
+    value_cache: ``[nb, Hkv, D, bs]`` (vLLM) or ``[nb, Hkv, bs, D]``, same dtype as
+      the key cache. The layout is read from the shape; when ``D == bs`` a 5-D key
+      cache means ``[nb, Hkv, D, bs]`` and a 4-D one ``[nb, Hkv, bs, D]``.
+    block_tables: int32 ``[S, max_blocks]``: physical block of each logical block.
+      Ids outside ``[0, nb)`` are masked (never read).
+    seq_lens: int32 ``[S]``: keys ``0 .. seq_len - 1`` are attended; slots at or
+      past ``seq_len`` are never read (they may hold NaN).
+    scale: softmax scale applied to ``q . k`` (float or float32 scalar).
+    k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (scalars).
+    sinks: optional ``[Hq]`` attention-sink logits: ``exp(sink)`` joins the softmax
+      denominator (seed: initial max ``sink``, initial sum 1). ``+inf`` gives 0.
+    alibi_slopes: optional float32 ``[Hq]``: adds ``slope * (pos - (seq_len - 1))``.
+    sliding_window: static; if > 0 only keys with ``seq_len - 1 - pos < window``.
+      (The seed gives keys outside the window the score -10000; here they are
+      excluded, the same result unless every in-window score is below -10000.)
+    query_start_loc: optional int32 ``[S + 1]`` token offsets of a mixed batch.
+      Only sequences with exactly one query token are computed (at row
+      ``query_start_loc[s]``); rows of other sequences (prefill) and rows that
+      belong to no sequence are returned as 0 (the seed leaves them untouched).
+    out_scale: if given, the output is ``float8_e4m3fn(clip(out / out_scale, ±448))``.
+    physical_block_size: static; tokens per cache block. Defaults to the cache's
+      block dimension and must equal it when given (vLLM passes it for blocks
+      such as 544 that are not a power of two; any size works here).
+    num_kv_splits: static; programs per (sequence, kv head) along the sequence.
+      ``None`` picks enough to fill the GPU.
+    implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+    interpret: run the Pallas kernel in the interpreter (CPU tests).
+
+  Returns:
+    ``[T, Hq, D]`` in the query dtype, or ``float8_e4m3fn`` with ``out_scale``.
+    A sequence with no valid key (``seq_len == 0``) gives 0.
+  """
+  impl = resolve_implementation(implementation, interpret)
+  check_rank("query", query, 3)
+  check_dtype("query", query, _QUERY_DTYPES)
+  check_rank("key_cache", key_cache, (4, 5))
+  check_rank("value_cache", value_cache, 4)
+  check_dtype("key_cache", key_cache, (query.dtype, *_FP8_DTYPES))
+  check_dtype("value_cache", value_cache, key_cache.dtype)
+  t, hq, head_dim = query.shape
+  nb, hkv = key_cache.shape[:2]
+  if key_cache.ndim == 5:
+    block_size = key_cache.shape[3]
+    k_dim = key_cache.shape[2] * key_cache.shape[4]
+  else:
+    block_size, k_dim = key_cache.shape[2:]
+  if k_dim != head_dim:
+    raise ValueError(f"key_cache head size must equal query's {head_dim}; got {k_dim} "
+                     f"from shape {list(key_cache.shape)}")
+  check_shape("value_cache", value_cache, (nb, hkv, None, None))
+  _value_is_dim_major(key_cache, value_cache, head_dim, block_size)
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+  check_rank("block_tables", block_tables, 2)
+  check_int32("block_tables", block_tables)
+  num_seqs = block_tables.shape[0]
+  check_int32("seq_lens", seq_lens)
+  check_shape("seq_lens", seq_lens, (num_seqs,))
+  if query_start_loc is None:
+    if t != num_seqs:
+      raise ValueError(f"without query_start_loc, query must have one row per sequence "
+                       f"({num_seqs}); got {t}")
+  else:
+    check_int32("query_start_loc", query_start_loc)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+  for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+    if x is not None:
+      check_shape(name, x, (hq,))
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
+  for name, x in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale),
+                  ("out_scale", out_scale)):
+    _check_scalar(name, x)
+  if not isinstance(sliding_window, int) or sliding_window < 0:
+    raise ValueError(f"sliding_window must be an int >= 0; got {sliding_window!r}")
+  if physical_block_size is not None and physical_block_size != block_size:
+    raise ValueError(f"physical_block_size must equal the cache block size {block_size}; "
+                     f"got {physical_block_size}")
+  if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
+    raise ValueError(f"num_kv_splits must be an int >= 1; got {num_kv_splits!r}")
+  return _paged_attention(
+      query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
+      alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,
+      sliding_window=sliding_window, physical_block_size=physical_block_size,
+      implementation=impl, interpret=interpret, num_kv_splits=num_kv_splits,
+      has_out_scale=out_scale is not None)

@@ -1,0 +1,11 @@
+"""Sparse MLA (DeepSeek V3.2 / V4): top-k gathered attention, FlashMLA semantics.
+
+``sparse_mla_prefill`` attends each query token to its own ``topk`` rows of a bf16
+latent array; ``sparse_mla_decode`` does the same on a paged cache
+(``"fp8_ds_mla"``, ``"fp8_model1"`` or bf16), with an optional extra key set in the
+same softmax.
+"""
+
+from jax_mla.sparse_mla.api import sparse_mla_decode, sparse_mla_prefill
+
+__all__ = ["sparse_mla_decode", "sparse_mla_prefill"]

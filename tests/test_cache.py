@@ -1,0 +1,430 @@
+"""KV-cache formats and writer: byte layouts against hand-built numpy bytes,
+quantization round trips, the Pallas writer against the reference writer."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import rel_err
+
+import jax
+import jax.numpy as jnp
+
+from jax_mla.cache import (concat_and_cache_mla, dequantize_fp8_ds_mla, dequantize_fp8_model1,
+                           dequantize_fp8_model1_cache, gather_dequantize, kv_cache_shape,
+                           kv_cache_storage_dtype, model1_block_bytes, quantize_fp8_ds_mla,
+                           quantize_fp8_model1, quantize_fp8_model1_cache)
+
+BF16 = ml_dtypes.bfloat16
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------
+# Hand-built expected bytes (numpy, float64 log2 for the power-of-two rules)
+
+
+def _fp8_bytes(v):
+  return np.clip(v, -448, 448).astype(np.float32).astype(E4M3).view(np.uint8)
+
+
+def _ceil_log2(s32):
+  return np.ceil(np.log2(s32.astype(np.float64))).astype(np.int64)
+
+
+def np_ds_mla(x, pow2=False):
+  """x: bf16 [n, 576] -> uint8 [n, 656]."""
+  xf = x.astype(np.float32)
+  out = np.zeros((x.shape[0], 656), np.uint8)
+  for i in range(4):
+    tile = xf[:, 128 * i:128 * (i + 1)]
+    s = (np.abs(tile).max(-1) / np.float32(448)).astype(np.float32)
+    if pow2:
+      s = np.ldexp(np.float32(1), _ceil_log2(np.maximum(s, np.float32(1e-4)))).astype(np.float32)
+    else:
+      s = np.maximum(s, np.finfo(np.float32).tiny)
+    out[:, 128 * i:128 * (i + 1)] = _fp8_bytes(tile / s[:, None])
+    out[:, 512 + 4 * i:516 + 4 * i] = s[:, None].view(np.uint8)
+  out[:, 528:] = np.ascontiguousarray(x[:, 512:]).view(np.uint8)
+  return out
+
+
+def np_model1(x):
+  """x: bf16 [n, 512] -> (data uint8 [n, 576], scales uint8 [n, 8])."""
+  xf = x.astype(np.float32)
+  data = np.zeros((x.shape[0], 576), np.uint8)
+  scales = np.zeros((x.shape[0], 8), np.uint8)
+  for i in range(7):
+    tile = xf[:, 64 * i:64 * (i + 1)]
+    a = np.maximum(np.abs(tile).max(-1), np.float32(1e-4))
+    e = _ceil_log2((a / np.float32(448)).astype(np.float32))
+    data[:, 64 * i:64 * (i + 1)] = _fp8_bytes(tile / np.ldexp(np.float32(1), e)[:, None])
+    scales[:, i] = e + 127
+  data[:, 448:] = np.ascontiguousarray(x[:, 448:]).view(np.uint8)
+  return data, scales
+
+
+def np_model1_place(cache, slot, data, scales):
+  """Writes one token's V4 bytes into a numpy cache [nb, bs, width] (block-flat layout)."""
+  nb, bs, width = cache.shape
+  flat = cache.reshape(nb, bs * width)
+  b, o = divmod(int(slot), bs)
+  flat[b, o * 576:(o + 1) * 576] = data
+  flat[b, bs * 576 + o * 8:bs * 576 + (o + 1) * 8] = scales
+
+
+def rand_latent(rng, n, d):
+  """bf16 latents with per-tile magnitudes spread over 1e-6..1e3 and an all-zero tile."""
+  x = rng.standard_normal((n, d)).astype(np.float32)
+  tiles = x.reshape(n, -1, 64)
+  tiles *= 10.0 ** rng.uniform(-6, 3, size=(n, tiles.shape[1], 1))
+  if n > 1:
+    tiles[1, 0] = 0.0
+  return x.astype(BF16)
+
+
+def rand_bytes_cache(rng, shape):
+  """Random bytes with NaN patterns (0x7f, 0xff) sprinkled in, as stale cache memory."""
+  c = rng.integers(0, 256, size=shape, dtype=np.uint8)
+  c[rng.random(shape) < 0.2] = 0x7F
+  c[rng.random(shape) < 0.2] = 0xFF
+  return c
+
+
+# ---------------------------------------------------------------------------
+# Shapes
+
+
+def test_kv_cache_shape():
+  assert kv_cache_shape(10, 64) == (10, 64, 576)
+  assert kv_cache_shape(10, 64, 576, "fp8") == (10, 64, 576)
+  assert kv_cache_shape(10, 64, 512, "auto") == (10, 64, 512)
+  assert kv_cache_shape(10, 64, 576, "fp8_ds_mla") == (10, 64, 656)
+  # V4: 64 * 584 = 37376 -> 65 * 576 = 37440 bytes per block = 64 * 585.
+  assert model1_block_bytes(64) == 37440
+  assert kv_cache_shape(10, 64, 512, "fp8_model1") == (10, 64, 585)
+  assert kv_cache_shape(3, 256, 512, "fp8_model1") == (3, 256, 585)
+  assert kv_cache_shape(3, 16, 512, "fp8_model1") == (3, 16, 612)  # 17 * 576 / 16
+  assert kv_cache_storage_dtype("fp8_ds_mla") == jnp.uint8
+  assert kv_cache_storage_dtype("fp8") == jnp.float8_e4m3fn
+  assert kv_cache_storage_dtype("auto") == jnp.bfloat16
+  with pytest.raises(ValueError, match="head_size"):
+    kv_cache_shape(1, 64, 512, "fp8_ds_mla")
+  with pytest.raises(ValueError, match="head_size"):
+    kv_cache_shape(1, 64, 576, "fp8_model1")
+  with pytest.raises(ValueError, match="block_size"):
+    kv_cache_shape(1, 1024, 512, "fp8_model1")  # 1024 does not divide the padded block
+  with pytest.raises(ValueError, match="cache_dtype"):
+    kv_cache_shape(1, 64, 576, "fp8_e5m2")
+
+
+# ---------------------------------------------------------------------------
+# fp8_ds_mla (V3.2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ds_mla_bytes_match_hand_built(seed, pow2):
+  x = rand_latent(np.random.default_rng(seed), 9, 576)
+  got = np.asarray(quantize_fp8_ds_mla(jnp.asarray(x), pow2_scales=pow2))
+  np.testing.assert_array_equal(got, np_ds_mla(x, pow2))
+  # The all-zero tile: scale FLT_MIN (or 2**-13 with pow2), fp8 bytes zero.
+  want_scale = np.float32(2.0**-13) if pow2 else np.finfo(np.float32).tiny
+  assert got[1, 512:516].view(np.float32)[0] == want_scale
+  assert not got[1, :128].any()
+
+
+def test_ds_mla_pow2_scales_are_powers_of_two():
+  x = rand_latent(np.random.default_rng(3), 16, 576)
+  b = np.asarray(quantize_fp8_ds_mla(jnp.asarray(x), pow2_scales=True))
+  s = b[:, 512:528].copy().view(np.float32)
+  mant, _ = np.frexp(s)
+  assert np.all(mant == 0.5)
+  # Each scale is the smallest power of two >= max(amax/448, 1e-4).
+  amax = np.abs(x.astype(np.float32)[:, :512].reshape(16, 4, 128)).max(-1)
+  floor = np.maximum(amax / np.float32(448), np.float32(1e-4))
+  assert np.all(s >= floor) and np.all(s / 2 < floor)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_ds_mla_round_trip(pow2):
+  x = rand_latent(np.random.default_rng(5), 12, 576)
+  b = quantize_fp8_ds_mla(jnp.asarray(x), pow2_scales=pow2)
+  y = np.asarray(dequantize_fp8_ds_mla(b)).astype(np.float32)
+  xf = x.astype(np.float32)
+  np.testing.assert_array_equal(y[:, 512:], xf[:, 512:])  # RoPE is stored as is
+  scale = np.repeat(np.asarray(b)[:, 512:528].copy().view(np.float32), 128, axis=1)
+  # e4m3: half an ulp is 2**-4 relative (normals) or scale * 2**-10 (subnormals);
+  # the bf16 result adds 2**-9 relative.
+  bound = np.abs(xf[:, :512]) * (2.0**-4 + 2.0**-8) + scale * 2.0**-9
+  assert np.all(np.abs(y[:, :512] - xf[:, :512]) <= bound)
+  assert rel_err(y, xf) < 0.05
+
+
+# ---------------------------------------------------------------------------
+# fp8_model1 (V4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_model1_bytes_match_hand_built(seed):
+  x = rand_latent(np.random.default_rng(seed), 7, 512)
+  got = np.asarray(quantize_fp8_model1(jnp.asarray(x)))
+  data, scales = np_model1(x)
+  np.testing.assert_array_equal(got, np.concatenate([data, scales], axis=1))
+  # Zero tile: amax clamps to 1e-4 -> 2**ceil(log2(1e-4/448)) = 2**-22 -> code 105.
+  assert got[1, 576] == 105 and not got[1, :64].any()
+  assert np.all(got[:, 583] == 0)
+
+
+def test_model1_round_trip():
+  x = rand_latent(np.random.default_rng(2), 10, 512)
+  b = np.asarray(quantize_fp8_model1(jnp.asarray(x)))
+  y = np.asarray(dequantize_fp8_model1(jnp.asarray(b))).astype(np.float32)
+  xf = x.astype(np.float32)
+  np.testing.assert_array_equal(y[:, 448:], xf[:, 448:])
+  scale = np.repeat(np.ldexp(1.0, b[:, 576:583].astype(np.int64) - 127), 64, axis=1)
+  bound = np.abs(xf[:, :448]) * (2.0**-4 + 2.0**-8) + scale * 2.0**-9
+  assert np.all(np.abs(y[:, :448] - xf[:, :448]) <= bound)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_model1_cache_layout(block_size):
+  rng = np.random.default_rng(block_size)
+  nb = 2
+  x = rand_latent(rng, nb * block_size, 512)
+  cache = np.asarray(quantize_fp8_model1_cache(jnp.asarray(x.reshape(nb, block_size, 512))))
+  assert cache.shape == kv_cache_shape(nb, block_size, 512, "fp8_model1")
+  want = np.zeros_like(cache)
+  data, scales = np_model1(x)
+  for s in range(nb * block_size):
+    np_model1_place(want, s, data[s], scales[s])
+  np.testing.assert_array_equal(cache, want)
+  back = np.asarray(dequantize_fp8_model1_cache(jnp.asarray(cache)))
+  per_token = np.asarray(dequantize_fp8_model1(jnp.asarray(np.concatenate([data, scales], 1))))
+  np.testing.assert_array_equal(back.reshape(-1, 512), per_token)
+
+
+# ---------------------------------------------------------------------------
+# Writer: reference against hand-built caches
+
+
+def _inputs(rng, num_tokens, nope, rope=64):
+  kv_c = rand_latent(rng, num_tokens, nope + rope)
+  return kv_c[:, :nope], np.ascontiguousarray(kv_c[:, nope:])
+
+
+def _slots(rng, num_tokens, capacity):
+  """Distinct valid slots with a padding slot (-1) and one past the cache."""
+  slots = rng.permutation(capacity)[:num_tokens].astype(np.int32)
+  if num_tokens > 2:
+    slots[1] = -1
+    slots[-1] = capacity + 3
+  return slots
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "fp8_ds_mla", "fp8_model1"])
+def test_reference_writer_matches_hand_built(fmt):
+  rng = np.random.default_rng(11)
+  nb, bs, T = 3, 16, 9
+  head = 512 if fmt == "fp8_model1" else 576
+  kv_c, k_pe = _inputs(rng, T, head - 64)
+  slots = _slots(rng, T, nb * bs)
+  shape = kv_cache_shape(nb, bs, head, fmt)
+  if fmt == "auto":
+    before = rng.standard_normal(shape).astype(BF16)
+  else:
+    before = rand_bytes_cache(rng, shape)
+    if fmt == "fp8":
+      before = before.view(E4M3)
+  scale = 0.03 if fmt == "fp8" else None
+  out = np.asarray(concat_and_cache_mla(jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(before),
+                                        jnp.asarray(slots), kv_cache_dtype=fmt, scale=scale,
+                                        implementation="xla"))
+  want = before.copy()
+  x = np.concatenate([kv_c, k_pe], axis=1)
+  for t, s in enumerate(slots):
+    if not 0 <= s < nb * bs:
+      continue
+    b, o = divmod(int(s), bs)
+    if fmt == "auto":
+      want[b, o] = x[t]
+    elif fmt == "fp8":
+      want[b, o] = _fp8_bytes(x[t].astype(np.float32) / np.float32(scale)).view(E4M3)
+    elif fmt == "fp8_ds_mla":
+      want[b, o] = np_ds_mla(x[t:t + 1])[0]
+    else:
+      data, scales = np_model1(x[t:t + 1])
+      np_model1_place(want, s, data[0], scales[0])
+  np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+
+
+def test_fp8_per_tensor_round_trip():
+  rng = np.random.default_rng(4)
+  nb, bs, T, scale = 2, 8, 11, 0.02
+  x = rng.standard_normal((T, 576)).astype(BF16)
+  slots = np.arange(T, dtype=np.int32)
+  out = {}
+  for dtype in (jnp.float8_e4m3fn, jnp.uint8):
+    cache = jnp.zeros(kv_cache_shape(nb, bs, 576, "fp8"), dtype)
+    out[dtype] = concat_and_cache_mla(jnp.asarray(x[:, :512]), jnp.asarray(x[:, 512:]), cache,
+                                      jnp.asarray(slots), kv_cache_dtype="fp8", scale=scale)
+    assert out[dtype].dtype == dtype
+  np.testing.assert_array_equal(np.asarray(out[jnp.uint8]),
+                                np.asarray(out[jnp.float8_e4m3fn]).view(np.uint8))
+  y = np.asarray(gather_dequantize(out[jnp.uint8], jnp.asarray(slots), kv_cache_dtype="fp8",
+                                   scale=scale)).astype(np.float32)
+  xf = x.astype(np.float32)
+  bound = np.abs(xf) * (2.0**-4 + 2.0**-8) + scale * 2.0**-9
+  assert np.all(np.abs(y - xf) <= bound)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "fp8_ds_mla", "fp8_model1"])
+def test_gather_dequantize(fmt):
+  rng = np.random.default_rng(8)
+  nb, bs = 3, 16
+  head = 512 if fmt == "fp8_model1" else 576
+  x = rand_latent(rng, nb * bs, head)
+  kv_c, k_pe = jnp.asarray(x[:, :head - 64]), jnp.asarray(x[:, head - 64:])
+  cache = jnp.zeros(kv_cache_shape(nb, bs, head, fmt), kv_cache_storage_dtype(fmt))
+  cache = concat_and_cache_mla(kv_c, k_pe, cache, jnp.arange(nb * bs, dtype=jnp.int32),
+                               kv_cache_dtype=fmt, scale=0.5 if fmt == "fp8" else None)
+  if fmt == "fp8_ds_mla":
+    full = dequantize_fp8_ds_mla(cache).reshape(-1, head)
+  elif fmt == "fp8_model1":
+    full = dequantize_fp8_model1_cache(cache).reshape(-1, head)
+  elif fmt == "fp8":
+    full = (cache.astype(jnp.float32) * 0.5).astype(jnp.bfloat16).reshape(-1, head)
+  else:
+    full = cache.reshape(-1, head)
+  slots = rng.integers(0, nb * bs, size=(2, 5)).astype(np.int32)
+  slots[0, 0], slots[1, 4] = -1, nb * bs + 7  # clamped to 0 and to the last slot
+  got = np.asarray(gather_dequantize(cache, jnp.asarray(slots), kv_cache_dtype=fmt,
+                                     scale=0.5 if fmt == "fp8" else None))
+  assert got.shape == (2, 5, head) and got.dtype == BF16
+  want = np.asarray(full)[np.clip(slots, 0, nb * bs - 1)]
+  np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+  assert rel_err(got, x[np.clip(slots, 0, nb * bs - 1)]) < 0.05
+
+
+# ---------------------------------------------------------------------------
+# Pallas writer against the reference writer
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_model1"])
+@pytest.mark.parametrize("seed,num_tokens,block_size", [(0, 1, 16), (1, 7, 16), (2, 13, 64)])
+def test_pallas_writer_matches_reference(fmt, seed, num_tokens, block_size, interpret):
+  rng = np.random.default_rng(seed)
+  nb = 2
+  head = 512 if fmt == "fp8_model1" else 576
+  kv_c, k_pe = _inputs(rng, num_tokens, head - 64)
+  slots = _slots(rng, num_tokens, nb * block_size)
+  if num_tokens == 1:
+    slots[0] = -1 if seed % 2 else slots[0]
+  before = rand_bytes_cache(rng, kv_cache_shape(nb, block_size, head, fmt))
+  outs = {}
+  for impl in ("xla", "pallas"):
+    outs[impl] = np.asarray(concat_and_cache_mla(
+        jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(before), jnp.asarray(slots),
+        kv_cache_dtype=fmt, implementation=impl, interpret=interpret and impl == "pallas"))
+  np.testing.assert_array_equal(outs["pallas"], outs["xla"])
+  # Bytes of skipped and untouched slots (and block padding) keep their old values.
+  changed = np.zeros(before.shape, bool)
+  written = [s for s in slots if 0 <= s < nb * block_size]
+  if fmt == "fp8_ds_mla":
+    for s in written:
+      changed[s // block_size, s % block_size] = True
+  else:
+    flat = changed.reshape(nb, -1)
+    for s in written:
+      b, o = divmod(int(s), block_size)
+      flat[b, o * 576:(o + 1) * 576] = True
+      flat[b, block_size * 576 + o * 8:block_size * 576 + (o + 1) * 8] = True
+  np.testing.assert_array_equal(outs["pallas"][~changed], before[~changed])
+  assert len(written) == 0 or (outs["pallas"][changed] != before[changed]).any()
+
+
+def test_model1_whole_latent_form_and_short_slot_mapping(interpret):
+  rng = np.random.default_rng(9)
+  nb, bs, T = 2, 16, 6
+  x = rand_latent(rng, T, 512)
+  slots = np.array([5, 0, 17, 31], np.int32)  # 4 < T: the last two tokens are padding
+  cache = jnp.zeros(kv_cache_shape(nb, bs, 512, "fp8_model1"), jnp.uint8)
+  split = concat_and_cache_mla(jnp.asarray(x[:, :448]), jnp.asarray(x[:, 448:]), jnp.array(cache),
+                               jnp.asarray(slots), kv_cache_dtype="fp8_model1",
+                               implementation="xla")
+  whole = concat_and_cache_mla(jnp.asarray(x), jnp.zeros((T, 0), jnp.bfloat16), jnp.array(cache),
+                               jnp.asarray(slots), kv_cache_dtype="fp8_model1",
+                               implementation="pallas", interpret=interpret)
+  np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+  got = gather_dequantize(whole, jnp.asarray(slots), kv_cache_dtype="fp8_model1")
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(dequantize_fp8_model1(quantize_fp8_model1(x[:4]))))
+
+
+def test_writer_under_jit_with_donation():
+  rng = np.random.default_rng(12)
+  nb, bs, T = 2, 8, 5
+  kv_c, k_pe = _inputs(rng, T, 512)
+  slots = jnp.asarray(np.array([3, 9, -1, 15, 0], np.int32))
+
+  @jax.jit
+  def step(cache, kv_c, k_pe):
+    return concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype="fp8_ds_mla")
+
+  step = jax.jit(step, donate_argnums=0)
+  cache = jnp.zeros(kv_cache_shape(nb, bs, 576, "fp8_ds_mla"), jnp.uint8)
+  out = step(cache, jnp.asarray(kv_c), jnp.asarray(k_pe))
+  want = np_ds_mla(np.concatenate([kv_c, k_pe], axis=1))
+  got = np.asarray(out).reshape(-1, 656)
+  np.testing.assert_array_equal(got[[3, 9, 15, 0]], want[[0, 1, 3, 4]])
+  assert not np.delete(got, [3, 9, 15, 0], axis=0).any()
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def test_bad_inputs_raise():
+  T = 4
+  kv_c = jnp.zeros((T, 512), jnp.bfloat16)
+  k_pe = jnp.zeros((T, 64), jnp.bfloat16)
+  slots = jnp.arange(T, dtype=jnp.int32)
+  cache = jnp.zeros(kv_cache_shape(2, 16, 576, "fp8_ds_mla"), jnp.uint8)
+
+  def write(kv_c=kv_c, k_pe=k_pe, cache=cache, slots=slots, **kw):
+    kw.setdefault("kv_cache_dtype", "fp8_ds_mla")
+    return concat_and_cache_mla(kv_c, k_pe, cache, slots, **kw)
+
+  with pytest.raises(ValueError, match="kv_c"):
+    write(kv_c=jnp.zeros((T, 448), jnp.bfloat16))
+  with pytest.raises(ValueError, match="k_pe"):
+    write(k_pe=jnp.zeros((T + 1, 64), jnp.bfloat16))
+  with pytest.raises(TypeError, match="slot_mapping"):
+    write(slots=slots.astype(jnp.float32))
+  with pytest.raises(ValueError, match="slot_mapping"):
+    write(slots=jnp.arange(T + 1, dtype=jnp.int32))
+  with pytest.raises(TypeError, match="kv_cache"):
+    write(cache=cache.astype(jnp.int8))
+  with pytest.raises(ValueError, match="kv_cache"):
+    write(cache=jnp.zeros((2, 16, 600), jnp.uint8))
+  with pytest.raises(ValueError, match="kv_cache_dtype"):
+    write(kv_cache_dtype="fp8_e5m2")
+  with pytest.raises(TypeError, match="kv_c"):
+    write(kv_c=jnp.zeros((T, 512), jnp.int32))
+  with pytest.raises(ValueError, match="kv_cache"):  # a V3.2 cache read as V4
+    write(kv_c=jnp.zeros((T, 448), jnp.bfloat16), kv_cache_dtype="fp8_model1")
+  with pytest.raises(ValueError, match="kv_c"):
+    write(cache=jnp.zeros((2, 16, 576), jnp.bfloat16), kv_cache_dtype="auto",
+          kv_c=jnp.zeros((T, 500), jnp.bfloat16))
+  with pytest.raises(ValueError, match="scale"):
+    write(cache=jnp.zeros((2, 16, 576), jnp.uint8), kv_cache_dtype="fp8",
+          scale=jnp.ones((2,), jnp.float32))
+  if jax.default_backend() == "cpu":
+    with pytest.raises(ValueError, match="interpret"):
+      write(implementation="pallas")
+  with pytest.raises(ValueError, match="x"):
+    quantize_fp8_ds_mla(jnp.zeros((3, 512), jnp.bfloat16))
+  with pytest.raises(TypeError, match="b"):
+    dequantize_fp8_ds_mla(jnp.zeros((3, 656), jnp.int8))
+  with pytest.raises(ValueError, match="x"):
+    quantize_fp8_model1(jnp.zeros((3, 576), jnp.bfloat16))
+  with pytest.raises(TypeError, match="slots"):
+    gather_dequantize(cache, jnp.zeros((3,), jnp.float32), kv_cache_dtype="fp8_ds_mla")

@@ -1,0 +1,294 @@
+"""paged_attention: Pallas kernel vs the jax.numpy reference, reference vs numpy.
+
+Caches are built from dense per-sequence keys/values and every slot not written
+(tail of the last block, unused blocks) holds NaN, so any read past ``seq_len``
+shows up as NaN in the output.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import rel_err
+
+from jax_mla._common import FP8_E4M3_MAX
+from jax_mla.paged_attention import paged_attention
+from jax_mla.paged_attention.pallas import default_num_kv_splits
+
+FP8 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass
+class Case:
+  query: np.ndarray
+  key_cache: np.ndarray
+  value_cache: np.ndarray
+  block_tables: np.ndarray
+  seq_lens: np.ndarray
+  dense_k: list  # per sequence [L, Hkv, D] float64 (dequantised)
+  dense_v: list
+  query_start_loc: np.ndarray | None
+  kwargs: dict
+
+
+def make_case(seed, seq_lens, *, hq=4, hkv=2, d=32, bs=16, layout="vllm", dtype=jnp.bfloat16,
+              fp8_kv=False, query_lens=None, sinks=False, alibi=False, window=0,
+              out_scale=None):
+  rng = np.random.default_rng(seed)
+  num_seqs = len(seq_lens)
+  blocks_per_seq = [-(-n // bs) for n in seq_lens]
+  max_blocks = max(max(blocks_per_seq), 1) + 1  # one spare column past every sequence
+  num_blocks = sum(blocks_per_seq) + 3
+  perm = rng.permutation(num_blocks)
+  # Unused table entries point at other sequences' blocks: reading them would be a bug.
+  block_tables = rng.integers(0, num_blocks, (num_seqs, max_blocks)).astype(np.int32)
+  kv_dtype = FP8 if fp8_kv else dtype
+  k_scale, v_scale = (0.05, 0.03) if fp8_kv else (1.0, 1.0)
+  kc = np.full((num_blocks, hkv, bs, d), np.nan, np.float32)
+  vc = np.full((num_blocks, hkv, bs, d), np.nan, np.float32)
+  dense_k, dense_v, used = [], [], 0
+  for s, n in enumerate(seq_lens):
+    k = np.asarray(jnp.asarray(rng.standard_normal((n, hkv, d)) * 0.7 / k_scale, kv_dtype),
+                   np.float32)
+    v = np.asarray(jnp.asarray(rng.standard_normal((n, hkv, d)) / v_scale, kv_dtype), np.float32)
+    dense_k.append(k.astype(np.float64) * k_scale)
+    dense_v.append(v.astype(np.float64) * v_scale)
+    for b in range(blocks_per_seq[s]):
+      block_tables[s, b] = perm[used]
+      used += 1
+    for t in range(n):
+      kc[block_tables[s, t // bs], :, t % bs] = k[t]
+      vc[block_tables[s, t // bs], :, t % bs] = v[t]
+  x = 16 // jnp.dtype(kv_dtype).itemsize
+  if layout == "vllm":  # K [nb, Hkv, D//x, bs, x], V [nb, Hkv, D, bs]
+    kc = kc.reshape(num_blocks, hkv, bs, d // x, x).transpose(0, 1, 3, 2, 4)
+    vc = vc.transpose(0, 1, 3, 2)
+  if query_lens is None:
+    qsl, num_tokens = None, num_seqs
+  else:
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    num_tokens = int(qsl[-1]) + 1  # one trailing row that belongs to no sequence
+  query = np.asarray(jnp.asarray(rng.standard_normal((num_tokens, hq, d)), dtype))
+  kwargs = dict(scale=1.0 / np.sqrt(d), k_scale=k_scale, v_scale=v_scale,
+                sliding_window=window)
+  if sinks:
+    kwargs["sinks"] = jnp.asarray(rng.standard_normal(hq) * 2.0, jnp.float32)
+  if alibi:
+    kwargs["alibi_slopes"] = jnp.asarray(2.0 ** (-np.arange(1, hq + 1) / 2.0), jnp.float32)
+  if out_scale is not None:
+    kwargs["out_scale"] = out_scale
+  return Case(query, np.asarray(jnp.asarray(kc, kv_dtype)), np.asarray(jnp.asarray(vc, kv_dtype)),
+              block_tables, np.asarray(seq_lens, np.int32), dense_k, dense_v, qsl, kwargs)
+
+
+def run(case, **kw):
+  qsl = None if case.query_start_loc is None else jnp.asarray(case.query_start_loc)
+  return paged_attention(jnp.asarray(case.query), jnp.asarray(case.key_cache),
+                         jnp.asarray(case.value_cache), jnp.asarray(case.block_tables),
+                         jnp.asarray(case.seq_lens), query_start_loc=qsl,
+                         **case.kwargs, **kw)
+
+
+def numpy_oracle(case, masked_positions=()):
+  """Dense float64 softmax over exactly the keys each sequence attends."""
+  kw = case.kwargs
+  q = case.query.astype(np.float64)
+  num_tokens, hq, d = q.shape
+  hkv = case.dense_k[0].shape[1] if case.dense_k else 1
+  out = np.zeros((num_tokens, hq, d))
+  for s, n in enumerate(case.seq_lens):
+    if case.query_start_loc is None:
+      row = s
+    else:
+      row = case.query_start_loc[s]
+      if case.query_start_loc[s + 1] - row != 1:
+        continue
+    pos = np.arange(n)
+    keep = np.ones(n, bool)
+    if kw["sliding_window"]:
+      keep &= (n - 1 - pos) < kw["sliding_window"]
+    for sp, p in masked_positions:
+      if sp == s:
+        keep &= pos != p
+    for h in range(hq):
+      kv = h // (hq // hkv)
+      k, v = case.dense_k[s][keep, kv], case.dense_v[s][keep, kv]
+      logits = kw["scale"] * (k @ q[row, h])
+      if "alibi_slopes" in kw:
+        logits = logits + float(kw["alibi_slopes"][h]) * (pos[keep] - (n - 1))
+      parts = [logits]
+      if "sinks" in kw:
+        parts.append([float(kw["sinks"][h])])
+      allv = np.concatenate(parts)
+      if allv.size == 0:
+        continue
+      w = np.exp(allv - allv.max())
+      out[row, h] = (w[:logits.size] @ v) / w.sum()
+  if "out_scale" in kw:
+    out = np.clip(out / kw["out_scale"], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    out = out.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  return out
+
+
+def f32(x):
+  return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+FEATURES = {
+    "plain": dict(),
+    "gqa8": dict(hq=16, hkv=2),
+    "alibi": dict(alibi=True),
+    "sinks": dict(sinks=True),
+    "window": dict(window=20),
+    "fp8_kv": dict(fp8_kv=True),
+    "fp8_out": dict(out_scale=0.02),
+    "query_start_loc": dict(query_lens=[1, 3, 1, 0]),
+    "all": dict(hq=6, hkv=2, alibi=True, sinks=True, window=33, fp8_kv=True, out_scale=0.02,
+                query_lens=[1, 1, 2, 1]),
+}
+SEQ_LENS = [0, 1, 37, 70]
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flat"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_reference_matches_numpy(feature, layout):
+  case = make_case(1, SEQ_LENS, layout=layout, **FEATURES[feature])
+  out = run(case, implementation="xla")
+  want = numpy_oracle(case)
+  tol = 0.07 if "out_scale" in case.kwargs else 2e-3  # one fp8 step vs bf16 rounding
+  assert rel_err(f32(out), want) < tol
+  assert out.dtype == (FP8 if "out_scale" in case.kwargs else jnp.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flat"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_kernel_matches_reference(feature, layout, interpret):
+  case = make_case(2, SEQ_LENS, layout=layout, **FEATURES[feature])
+  ref = f32(run(case, implementation="xla"))
+  out = f32(run(case, implementation="pallas", interpret=interpret))
+  assert np.isfinite(out).all()
+  tol = 0.07 if "out_scale" in case.kwargs else 1e-2
+  assert rel_err(out, ref) < tol
+  # seq_len 0 gives exactly 0; rows of skipped (prefill) sequences too.
+  assert (out[ref == 0] == 0).all()
+  assert (out[0] == 0).all()
+
+
+def test_skipped_rows_are_zero(interpret):
+  case = make_case(3, [5, 40, 9], query_lens=[2, 1, 3])
+  for impl in ("xla", "pallas"):
+    out = f32(run(case, implementation=impl, interpret=interpret))
+    zero_rows = [0, 1, 3, 4, 5, 6]  # prefill rows and the trailing row of no sequence
+    assert (out[zero_rows] == 0).all()
+    assert np.abs(out[2]).sum() > 0
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_kv_splits(splits, interpret):
+  case = make_case(4, [1, 150, 129], sinks=True)
+  ref = f32(run(case, implementation="xla"))
+  out = f32(run(case, implementation="pallas", interpret=interpret, num_kv_splits=splits))
+  assert rel_err(out, ref) < 1e-2
+
+
+def test_window_skips_tiles_exactly(interpret):
+  # Window edges inside a tile, at a tile edge, and wider than the sequence.
+  for window in (1, 64, 65, 500):
+    case = make_case(5, [200, 64, 129], window=window, hkv=1, hq=2)
+    ref = f32(run(case, implementation="xla"))
+    out = f32(run(case, implementation="pallas", interpret=interpret, num_kv_splits=2))
+    assert rel_err(out, ref) < 1e-2, window
+    assert rel_err(ref, numpy_oracle(case)) < 2e-3
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flat"])
+def test_block_544(layout, interpret):
+  case = make_case(6, [600, 1, 1088], hq=2, hkv=1, d=16, bs=544, layout=layout, sinks=True)
+  assert case.block_tables.shape[1] == 3
+  ref = f32(run(case, implementation="xla"))
+  assert rel_err(ref, numpy_oracle(case)) < 2e-3
+  out = f32(run(case, implementation="pallas", interpret=interpret, physical_block_size=544))
+  assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("d,layout", [(80, "vllm"), (80, "flat"), (256, "vllm")])
+def test_head_sizes(d, layout, interpret):
+  case = make_case(7, [1, 45], d=d, layout=layout, alibi=True)
+  ref = f32(run(case, implementation="xla"))
+  assert rel_err(ref, numpy_oracle(case)) < 2e-3
+  out = f32(run(case, implementation="pallas", interpret=interpret))
+  assert rel_err(out, ref) < 1e-2
+
+
+def test_invalid_block_ids_are_masked(interpret):
+  case = make_case(8, [40, 20])
+  case.block_tables[0, 1] = -1  # tokens 16..31 of sequence 0
+  case.block_tables[1, 0] = 2**31 - 1  # tokens 0..15 of sequence 1
+  want = numpy_oracle(case, masked_positions=[(0, p) for p in range(16, 32)]
+                      + [(1, p) for p in range(16)])
+  ref = f32(run(case, implementation="xla"))
+  out = f32(run(case, implementation="pallas", interpret=interpret))
+  assert rel_err(ref, want) < 2e-3
+  assert rel_err(out, ref) < 1e-2
+
+
+def test_f32_and_token_major_square(interpret):
+  # D == bs: V layout follows K (4-D K -> token-major V, 5-D K -> dim-major V).
+  for layout in ("vllm", "flat"):
+    case = make_case(9, [30, 17], d=16, bs=16, layout=layout, dtype=jnp.float32)
+    ref = f32(run(case, implementation="xla"))
+    assert rel_err(ref, numpy_oracle(case)) < 1e-5
+    out = f32(run(case, implementation="pallas", interpret=interpret))
+    assert rel_err(out, ref) < 1e-3
+
+
+def test_jit_with_traced_scales(interpret):
+  case = make_case(10, [12, 33], fp8_kv=True)
+  kw = {k: v for k, v in case.kwargs.items() if k not in ("scale", "k_scale", "v_scale")}
+
+  @jax.jit
+  def f(scale, k_scale, v_scale):
+    return paged_attention(jnp.asarray(case.query), jnp.asarray(case.key_cache),
+                           jnp.asarray(case.value_cache), jnp.asarray(case.block_tables),
+                           jnp.asarray(case.seq_lens), scale=scale, k_scale=k_scale,
+                           v_scale=v_scale, implementation="pallas", interpret=interpret, **kw)
+
+  out = f32(f(case.kwargs["scale"], case.kwargs["k_scale"], case.kwargs["v_scale"]))
+  assert rel_err(out, numpy_oracle(case)) < 1e-2
+
+
+def test_default_num_kv_splits():
+  assert default_num_kv_splits(128, 8, 64, 132) == 1  # 1024 programs already fill 132 SMs
+  assert default_num_kv_splits(2, 8, 512, 132) == 16
+  assert default_num_kv_splits(2, 8, 8, 132) == 1  # too short to split
+
+
+def test_validation():
+  case = make_case(11, [5, 9])
+  args = [jnp.asarray(a) for a in (case.query, case.key_cache, case.value_cache,
+                                   case.block_tables, case.seq_lens)]
+
+  def call(*a, **kw):
+    return paged_attention(*a, **{"scale": 0.1, "implementation": "xla", **kw})
+
+  with pytest.raises(ValueError, match="query must have rank 3"):
+    call(args[0][None], *args[1:])
+  with pytest.raises(TypeError, match="block_tables must have dtype int32"):
+    call(*args[:3], args[3].astype(jnp.int16), args[4])
+  with pytest.raises(TypeError, match="value_cache must have dtype"):
+    call(args[0], args[1], args[2].astype(jnp.float32), *args[3:])
+  with pytest.raises(ValueError, match="value_cache must have shape"):
+    call(args[0], args[1], args[2][..., :8], *args[3:])
+  with pytest.raises(ValueError, match="head size"):
+    call(args[0][..., :16], *args[1:])
+  with pytest.raises(ValueError, match="one row per sequence"):
+    call(args[0][:1], *args[1:])
+  with pytest.raises(ValueError, match="physical_block_size"):
+    call(*args, physical_block_size=32)
+  with pytest.raises(ValueError, match="sinks must have shape"):
+    call(*args, sinks=jnp.zeros((3,), jnp.float32))
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    call(args[0][:, :3], *args[1:])

@@ -1,0 +1,15 @@
+"""torch bridge for jax-mla: zero-copy DLPack interop and torch-callable ops.
+
+* ``to_jax(t)`` / ``to_torch(a)``: share memory both ways (CPU and CUDA), with
+  torch's current stream and JAX's stream ordered correctly.
+* ``torch_bridge.ops``: every jax_mla op taking and returning torch tensors, plus
+  FlashMLA-compatible drop-ins (``flash_mla_sparse_fwd``,
+  ``flash_mla_with_kvcache``, ``get_mla_metadata``).
+* ``torch_bridge.flashmla`` / ``torch_bridge.aiter``: the installed FlashMLA
+  (CUDA) or AITER (ROCm) kernels called on jax.Array inputs, with jax_mla's
+  argument conventions, for one-to-one comparisons.
+"""
+
+from torch_bridge._interop import to_jax, to_torch
+
+__all__ = ["to_jax", "to_torch"]

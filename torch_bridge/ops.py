@@ -1,0 +1,374 @@
+"""jax_mla ops callable with torch tensors, and FlashMLA-compatible drop-ins.
+
+Every public jax_mla op is here under the same name and argument order: tensor
+arguments are torch tensors (CPU or CUDA, contiguous, shared without a copy),
+results are torch tensors sharing JAX's output memory. Non-tensor arguments
+(ints, floats, strings, bools, None, tuples) are static: each distinct set of
+them, together with the tensor shapes and dtypes, is compiled once and cached,
+so a repeated call costs the DLPack hand-offs plus one jitted dispatch.
+
+Ops that return an updated cache (``concat_and_cache_mla``) return a new tensor:
+JAX cannot write into memory it borrowed from torch.
+
+FlashMLA drop-ins (``deepseek-ai/FlashMLA`` ``flash_mla_interface``):
+``get_mla_metadata``, ``flash_mla_with_kvcache``, ``flash_mla_sparse_fwd``,
+backed by jax_mla's kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+
+import jax
+import torch
+
+from torch_bridge import _interop
+
+# Public jax_mla ops that take and return arrays, by module.
+OP_MODULES = {
+    "jax_mla.indexing": ("convert_req_index_to_global_index", "expand_page_indices",
+                         "req_id_per_token", "filter_prefill_indices"),
+    "jax_mla.merge": ("merge_attn_states", "lse2_to_lse"),
+    "jax_mla.cache": ("concat_and_cache_mla", "quantize_fp8_ds_mla", "dequantize_fp8_ds_mla",
+                      "quantize_fp8_model1", "dequantize_fp8_model1",
+                      "quantize_fp8_model1_cache", "dequantize_fp8_model1_cache"),
+    "jax_mla.sparse_mla": ("sparse_mla_prefill", "sparse_mla_decode"),
+    "jax_mla.mla_decode": ("mla_decode", "mla_decode_paged", "mla_ragged_paged_attention"),
+    "jax_mla.mla_prefill": ("mla_prefill",),
+    "jax_mla.paged_attention": ("paged_attention",),
+}
+
+_DYNAMIC = object()  # marks a tensor position in a call's static signature
+
+
+def _static(name: str, value):
+  if isinstance(value, list):
+    value = tuple(value)
+  try:
+    hash(value)
+  except TypeError:
+    raise TypeError(f"{name}: non-tensor arguments are compiled in and must be hashable "
+                    f"(int, float, str, bool, None, tuple); got {type(value).__name__}") from None
+  return value
+
+
+def _export_tree(out, stream):
+  if isinstance(out, jax.Array):
+    return _interop.export_array(out, stream)
+  if isinstance(out, tuple) and all(isinstance(o, jax.Array) for o in out):
+    return tuple(_interop.export_array(o, stream) for o in out)
+  return jax.tree_util.tree_map(lambda o: _interop.export_array(o, stream), out)
+
+
+def torch_op(fn: Callable) -> Callable:
+  """Wraps a jax_mla op so that it takes and returns torch tensors.
+
+  Tensor arguments (torch tensors, or jax.Arrays passed through) are dynamic;
+  every other argument is static and compiled in. One ``jax.jit`` of ``fn`` is
+  kept per static signature; jit caches its executable per shape and dtype.
+  On CUDA, JAX's stream waits once per call for torch's current stream, and
+  torch's current stream waits (on the GPU) for the results.
+  """
+  params = list(inspect.signature(fn).parameters)
+  jitted: dict = {}
+
+  def build(spec, kw_spec):
+    def call(*dyn):
+      it = iter(dyn)
+      args = [next(it) if s is _DYNAMIC else s for s in spec]
+      kwargs = {k: (next(it) if v is _DYNAMIC else v) for k, v in kw_spec}
+      return fn(*args, **kwargs)
+    return jax.jit(call)
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    tensors, names = [], []
+    spec = []
+    for i, a in enumerate(args):
+      name = params[i] if i < len(params) else f"args[{i}]"
+      if isinstance(a, (torch.Tensor, jax.Array)):
+        tensors.append(a)
+        names.append(name)
+        spec.append(_DYNAMIC)
+      else:
+        spec.append(_static(name, a))
+    kw_spec = []
+    for k, v in kwargs.items():
+      if isinstance(v, (torch.Tensor, jax.Array)):
+        tensors.append(v)
+        names.append(k)
+        kw_spec.append((k, _DYNAMIC))
+      else:
+        kw_spec.append((k, _static(k, v)))
+    key = (tuple(spec), tuple(kw_spec))
+    f = jitted.get(key)
+    if f is None:
+      f = jitted[key] = build(*key)
+
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None:  # jax.Arrays only: a plain call, results to torch.
+      out = f(*tensors)
+      leaf = jax.tree_util.tree_leaves(out)
+      return _export_tree(out, _interop.array_stream(leaf[0]) if leaf else None)
+    device = _interop.jax_device(first)
+    torch_device = first.device
+    for name, t in zip(names, tensors, strict=True):
+      if isinstance(t, torch.Tensor):
+        _interop.check_tensor(name, t)
+        if t.device != torch_device:
+          raise ValueError(f"{name} is on {t.device} but {names[tensors.index(first)]} is on "
+                           f"{torch_device}; all tensors of one call must share a device")
+    stream = _interop.fence_torch_to_jax(first, device)
+    dyn = [_interop.import_tensor(t, device, stream) if isinstance(t, torch.Tensor) else t
+           for t in tensors]
+    return _export_tree(f(*dyn), _interop.torch_stream_ptr(first))
+
+  wrapper.jax_op = fn
+  return wrapper
+
+
+# name -> why it is missing (an op module another part of jax_mla has not landed).
+UNAVAILABLE: dict[str, str] = {}
+
+
+def _wire_ops() -> list[str]:
+  names = []
+  for module_name, op_names in OP_MODULES.items():
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError as e:
+      UNAVAILABLE.update({n: f"{module_name}: {e}" for n in op_names})
+      continue
+    for n in op_names:
+      fn = getattr(module, n, None)
+      if fn is None:
+        UNAVAILABLE[n] = f"{module_name} has no {n}"
+        continue
+      globals()[n] = torch_op(fn)
+      names.append(n)
+  return names
+
+
+_WIRED = _wire_ops()
+
+
+def kv_cache_shape(*args, **kwargs) -> tuple[int, ...]:
+  """jax_mla.cache.kv_cache_shape (a plain shape, no tensors); allocate with torch."""
+  from jax_mla.cache import kv_cache_shape as shape
+  return shape(*args, **kwargs)
+
+
+def _op(name: str) -> Callable:
+  if name in UNAVAILABLE:
+    raise NotImplementedError(f"torch_bridge.ops.{name} is unavailable: {UNAVAILABLE[name]}")
+  return globals()[name]
+
+
+def __getattr__(name):
+  if name in UNAVAILABLE:
+    raise AttributeError(f"torch_bridge.ops.{name} is unavailable: {UNAVAILABLE[name]}")
+  raise AttributeError(f"module 'torch_bridge.ops' has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------
+# FlashMLA-compatible drop-ins.
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+  """Stand-in for FlashMLA's tile-scheduler metadata (jax_mla needs none).
+
+  Like FlashMLA's, it records the call configuration on first use and refuses
+  a later call whose configuration differs.
+  """
+  have_initialized: bool = False
+  config: tuple | None = None
+  tile_scheduler_metadata: torch.Tensor | None = None
+  num_splits: torch.Tensor | None = None
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+  """FlashMLA ``get_mla_metadata``: returns ``(FlashMLASchedMeta(), None)``.
+
+  Arguments are accepted and ignored, as in FlashMLA's current interface.
+  """
+  del args, kwargs
+  return FlashMLASchedMeta(), None
+
+
+def _model1_cache(k_cache: torch.Tensor, name: str) -> torch.Tensor:
+  """FlashMLA's MODEL1 view ``[nb, bs, 1, 584]`` (block stride = padded block) as
+  jax_mla's ``[nb, bs, padded // bs]`` uint8 layout, without a copy."""
+  from jax_mla.cache import model1_block_bytes
+  nb, bs = k_cache.shape[0], k_cache.shape[1]
+  padded = model1_block_bytes(bs)
+  if k_cache.stride(0) != padded or padded % bs or k_cache.stride(1) != 584:
+    raise ValueError(
+        f"{name}: a MODEL1 fp8 cache must be FlashMLA's view of whole padded blocks "
+        f"(block stride {padded} bytes, token stride 584); got strides {k_cache.stride()}")
+  storage_end = k_cache.untyped_storage().nbytes() - k_cache.storage_offset()
+  if storage_end < nb * padded:
+    raise ValueError(f"{name}: the storage behind the MODEL1 cache ends before the padding "
+                     "of its last block")
+  return k_cache.as_strided((nb, bs, padded // bs), (padded, padded // bs, 1))
+
+
+def _as_cache(k_cache: torch.Tensor | None, name: str, kv_cache_dtype: str):
+  """FlashMLA's ``[nb, bs, 1, d]`` cache as jax_mla's ``[nb, bs, d]`` (a view)."""
+  if k_cache is None:
+    return None
+  if k_cache.ndim != 4 or k_cache.shape[2] != 1:
+    raise ValueError(f"{name} must have shape [num_blocks, block_size, 1, head_dim] "
+                     f"(one KV head); got {list(k_cache.shape)}")
+  if kv_cache_dtype == "auto":
+    return k_cache.squeeze(2)
+  k_cache = k_cache.view(torch.uint8)
+  if kv_cache_dtype == "fp8_model1":
+    return _model1_cache(k_cache, name)
+  return k_cache.squeeze(2)
+
+
+def _contiguous(t):
+  # FlashMLA only needs the last dim contiguous; the bridge shares whole buffers.
+  return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+  """FlashMLA ``flash_mla_with_kvcache`` backed by jax_mla.
+
+  Sparse mode (``indices`` given) runs ``jax_mla.sparse_mla.sparse_mla_decode``:
+  ``is_fp8_kvcache=True`` reads ``"fp8_ds_mla"`` caches (``head_dim`` 576,
+  656 bytes a token) or ``"fp8_model1"`` caches (``head_dim`` 512, FlashMLA's
+  padded-block view); ``is_fp8_kvcache=False`` reads a bf16 cache (an
+  extension: FlashMLA's sparse decode needs fp8). Dense mode runs
+  ``jax_mla.mla_decode.mla_decode_paged`` on a bf16 cache.
+
+  Arguments:
+    q: ``[batch, s_q, h_q, head_dim]`` bf16.
+    k_cache: ``[num_blocks, block_size, 1, head_dim or bytes]``; must be
+      contiguous except for FlashMLA's MODEL1 padded-block view.
+    block_table, cache_seqlens: ``[batch, max_blocks]`` / ``[batch]`` int32
+      (dense mode).
+    head_dim_v: 512.
+    tile_scheduler_metadata: from :func:`get_mla_metadata`.
+    num_splits: must be None.
+    softmax_scale: default ``head_dim ** -0.5``.
+    causal: dense mode only.
+    indices: ``[batch, s_q, topk]`` int32 global slots ``block * block_size + offset``.
+    attn_sink: ``[h_q]`` float32; scales out by ``exp(lse) / (exp(lse) + exp(sink))``.
+    extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length:
+      as in FlashMLA (a second key set sharing the softmax; per-batch lengths).
+
+  Returns:
+    ``(out [batch, s_q, h_q, head_dim_v] bf16, lse [batch, h_q, s_q] float32)``.
+  """
+  meta = tile_scheduler_metadata
+  if not isinstance(meta, FlashMLASchedMeta):
+    raise TypeError("tile_scheduler_metadata must come from torch_bridge.ops.get_mla_metadata; "
+                    f"got {type(meta).__name__}")
+  if num_splits is not None:
+    raise ValueError("num_splits must be None (FlashMLA's current interface)")
+  topk = indices.shape[-1] if indices is not None else None
+  config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal,
+            is_fp8_kvcache, topk,
+            extra_k_cache.shape[1] if extra_k_cache is not None else None,
+            extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None else None)
+  if not meta.have_initialized:
+    meta.have_initialized, meta.config = True, config
+  elif meta.config != config:
+    raise ValueError(
+        "the arguments differ from the first call made with this tile_scheduler_metadata "
+        f"(b, s_q, h_q, block_size, h_k, causal, is_fp8, topk, extra_block_size, extra_topk): "
+        f"{meta.config} then {config}; get a new one from get_mla_metadata")
+  if softmax_scale is None:
+    softmax_scale = q.shape[-1] ** -0.5
+  q = _contiguous(q)
+
+  if indices is not None:
+    if causal:
+      raise ValueError("causal must be False when indices are given (sparse attention)")
+    if is_fp8_kvcache:
+      if q.shape[-1] not in (576, 512):
+        raise ValueError(f"fp8 sparse decode needs head_dim 576 (V3.2) or 512 (V4); got "
+                         f"{q.shape[-1]}")
+      kv_cache_dtype = "fp8_ds_mla" if q.shape[-1] == 576 else "fp8_model1"
+    else:
+      kv_cache_dtype = "auto"
+    return _op("sparse_mla_decode")(
+        q, _as_cache(k_cache, "k_cache", kv_cache_dtype), _contiguous(indices),
+        kv_cache_dtype=kv_cache_dtype, sm_scale=float(softmax_scale), d_v=head_dim_v,
+        attn_sink=attn_sink, topk_length=topk_length,
+        extra_kv_cache=_as_cache(extra_k_cache, "extra_k_cache", kv_cache_dtype),
+        extra_indices=_contiguous(extra_indices_in_kvcache),
+        extra_topk_length=extra_topk_length)
+
+  extras = {"attn_sink": attn_sink, "extra_k_cache": extra_k_cache,
+            "extra_indices_in_kvcache": extra_indices_in_kvcache, "topk_length": topk_length,
+            "extra_topk_length": extra_topk_length}
+  given = [k for k, v in extras.items() if v is not None]
+  if given:
+    raise ValueError(f"{', '.join(given)} need sparse attention (indices); dense decode takes "
+                     "none of them")
+  if block_table is None or cache_seqlens is None:
+    raise ValueError("dense decode needs block_table and cache_seqlens")
+  if is_fp8_kvcache:
+    raise NotImplementedError("dense decode with an fp8 cache is not supported; use a bf16 "
+                              "cache or sparse mode")
+  if head_dim_v != 512:
+    raise ValueError(f"head_dim_v must be 512; got {head_dim_v}")
+  return _op("mla_decode_paged")(q, _as_cache(k_cache, "k_cache", "auto"), _contiguous(block_table),
+                          cache_seqlens, sm_scale=float(softmax_scale), causal=bool(causal))
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+  """FlashMLA ``flash_mla_sparse_fwd`` (sparse prefill) backed by jax_mla.
+
+  Args:
+    q: ``[s_q, h_q, d_qk]`` bf16 (``d_qk`` 576 or 512).
+    kv: ``[s_kv, h_kv=1, d_qk]`` bf16.
+    indices: ``[s_q, h_kv=1, topk]`` int32; ``-1`` or ``>= s_kv`` are invalid.
+    sm_scale: softmax scale.
+    d_v: 512.
+    attn_sink: optional ``[h_q]`` float32.
+    topk_length: optional ``[s_q]`` int32: only ``indices[i, :, :topk_length[i]]`` count.
+
+  Returns:
+    ``(out [s_q, h_q, d_v] bf16, max_logits [s_q, h_q] f32, lse [s_q, h_q] f32)``.
+  """
+  return _op("sparse_mla_prefill")(_contiguous(q), _contiguous(kv), _contiguous(indices),
+                            sm_scale=float(sm_scale), d_v=d_v, attn_sink=attn_sink,
+                            topk_length=topk_length)
+
+
+__all__ = sorted(_WIRED) + ["FlashMLASchedMeta", "flash_mla_sparse_fwd",
+                            "flash_mla_with_kvcache", "get_mla_metadata", "kv_cache_shape",
+                            "torch_op"]
