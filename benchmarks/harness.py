@@ -60,7 +60,7 @@ def time_us(fn, arg_sets, *, reps: int = 30) -> float:
   return 1e6 * float(np.median(times)) / len(calls)
 
 
-def n_sets(bytes_per_set: int, l2_bytes: int = 50 << 20, lo: int = 8, hi: int = 16) -> int:
+def n_sets(bytes_per_set: int, l2_bytes: int = 50 << 20, lo: int = 16, hi: int = 32) -> int:
   """How many distinct input sets to rotate: enough to amortise one dispatch and to
   overflow L2 twice, within [lo, hi]."""
   return max(lo, min(hi, -(-2 * l2_bytes // max(bytes_per_set, 1))))

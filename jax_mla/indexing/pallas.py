@@ -34,7 +34,7 @@ def _convert_kernel(req_ref, bt_ref, tok_ref, out_ref, *, num_tokens, topk, num_
 
 
 def convert_req_index_to_global_index(req_id, block_table, token_indices, *, block_size,
-                                      interpret=False, rows=8, cols=256, num_warps=4):
+                                      interpret=False, rows=1, cols=1024, num_warps=4):
   num_tokens, topk = token_indices.shape
   num_reqs, num_blocks = block_table.shape
   cols = min(cols, pl.next_power_of_2(topk))
