@@ -1,18 +1,26 @@
 """KV-cache formats and writer: byte layouts against hand-built numpy bytes,
 quantization round trips, the Pallas writer against the reference writer."""
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import rel_err
 
-import jax
-import jax.numpy as jnp
-
-from jax_mla.cache import (concat_and_cache_mla, dequantize_fp8_ds_mla, dequantize_fp8_model1,
-                           dequantize_fp8_model1_cache, gather_dequantize, kv_cache_shape,
-                           kv_cache_storage_dtype, model1_block_bytes, quantize_fp8_ds_mla,
-                           quantize_fp8_model1, quantize_fp8_model1_cache)
+from jax_mla.cache import (
+  concat_and_cache_mla,
+  dequantize_fp8_ds_mla,
+  dequantize_fp8_model1,
+  dequantize_fp8_model1_cache,
+  gather_dequantize,
+  kv_cache_shape,
+  kv_cache_storage_dtype,
+  model1_block_bytes,
+  quantize_fp8_ds_mla,
+  quantize_fp8_model1,
+  quantize_fp8_model1_cache,
+)
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -23,7 +31,8 @@ E4M3 = ml_dtypes.float8_e4m3fn
 
 
 def _fp8_bytes(v):
-  return np.clip(v, -448, 448).astype(np.float32).astype(E4M3).view(np.uint8)
+  """fp8 bytes of float32 ``v`` (quotients are IEEE float32 first, as in CUDA)."""
+  return np.clip(v.astype(np.float32), -448, 448).astype(E4M3).view(np.uint8)
 
 
 def _ceil_log2(s32):
@@ -72,12 +81,12 @@ def np_model1_place(cache, slot, data, scales):
 
 
 def rand_latent(rng, n, d):
-  """bf16 latents with per-tile magnitudes spread over 1e-6..1e3 and an all-zero tile."""
+  """bf16 latents with per-64-tile magnitudes over 1e-6..1e3; row 1 starts with 128 zeros."""
   x = rng.standard_normal((n, d)).astype(np.float32)
   tiles = x.reshape(n, -1, 64)
   tiles *= 10.0 ** rng.uniform(-6, 3, size=(n, tiles.shape[1], 1))
   if n > 1:
-    tiles[1, 0] = 0.0
+    tiles[1, :2] = 0.0  # one 128-tile (two 64-tiles) of zeros
   return x.astype(BF16)
 
 
@@ -114,6 +123,43 @@ def test_kv_cache_shape():
     kv_cache_shape(1, 1024, 512, "fp8_model1")  # 1024 does not divide the padded block
   with pytest.raises(ValueError, match="cache_dtype"):
     kv_cache_shape(1, 64, 576, "fp8_e5m2")
+
+
+# ---------------------------------------------------------------------------
+# Division-free scale rules against numpy's IEEE float32 division
+
+
+def test_scale_rules_match_ieee_division():
+  from jax_mla.cache.formats import ceil_log2_div448, div448
+  rng = np.random.default_rng(0)
+  a = np.concatenate([
+      (10.0 ** rng.uniform(-30, 38, 200_000)).astype(np.float32),  # wide range
+      np.arange(1 << 15, dtype=np.uint16).view(BF16).astype(np.float32),  # all positive bf16
+      np.ldexp(np.float32(7), np.arange(-120, 120)).astype(np.float32),  # 448 * 2**k exactly
+      np.array([448 * (1 + 2.0**-23), 448 * (1 - 2.0**-24), 3.3e38], np.float32),
+  ])
+  a = a[np.isfinite(a) & (a > 0)]
+  want = (a / np.float32(448)).astype(np.float32)
+  got = np.asarray(div448(jnp.asarray(a)))
+  normal = want >= np.finfo(np.float32).tiny
+  np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
+  assert np.all(got[~normal] <= np.finfo(np.float32).tiny)  # callers clamp these
+  e = np.asarray(ceil_log2_div448(jnp.asarray(a)))
+  np.testing.assert_array_equal(e[normal], _ceil_log2(want[normal]))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0123456, 0.029017856, 3.3e-5, 1 / 448, 2.5])
+def test_fp8_quotient_matches_ieee_double_rounding(scale):
+  from jax_mla.cache.formats import fp8_bytes_of_quotient
+  rng = np.random.default_rng(1)
+  n = 50_000
+  x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 3, n)).astype(BF16).astype(np.float32)
+  # Zeros, saturation, fp8 midpoints and ties (1.3125, 0.96875), subnormal steps.
+  x[:20] = [0, -0.0, 1, -1, 448, 449, -500, 1e-30, -1e-30, 2**-10, 2**-11, 3 * 2**-11, 0.96875,
+            1.3125, 0.0390625, -0.0390625, 240, 232, 464, 2**-9]
+  s = np.float32(scale)
+  got = np.asarray(jax.jit(fp8_bytes_of_quotient)(jnp.asarray(x), jnp.float32(s)))
+  np.testing.assert_array_equal(got, _fp8_bytes(x / s))
 
 
 # ---------------------------------------------------------------------------
@@ -281,7 +327,9 @@ def test_gather_dequantize(fmt):
   rng = np.random.default_rng(8)
   nb, bs = 3, 16
   head = 512 if fmt == "fp8_model1" else 576
-  x = rand_latent(rng, nb * bs, head)
+  # Per-tensor fp8 has no per-tile range: keep its values O(1).
+  x = (rng.standard_normal((nb * bs, head)).astype(BF16) if fmt == "fp8"
+       else rand_latent(rng, nb * bs, head))
   kv_c, k_pe = jnp.asarray(x[:, :head - 64]), jnp.asarray(x[:, head - 64:])
   cache = jnp.zeros(kv_cache_shape(nb, bs, head, fmt), kv_cache_storage_dtype(fmt))
   cache = concat_and_cache_mla(kv_c, k_pe, cache, jnp.arange(nb * bs, dtype=jnp.int32),

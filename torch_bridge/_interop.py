@@ -116,6 +116,17 @@ def _jax_ready_stream(device: jax.Device) -> tuple[int, torch.cuda.ExternalStrea
   return s
 
 
+_fences: dict[torch.device, torch.Tensor] = {}
+
+
+def fence_tensor(t: torch.Tensor) -> torch.Tensor:
+  """A one-element tensor on ``t``'s device, imported once per call as an ordering token."""
+  f = _fences.get(t.device)
+  if f is None:
+    f = _fences[t.device] = torch.zeros(1, dtype=torch.int32, device=t.device)
+  return f
+
+
 def torch_stream_ptr(t: torch.Tensor) -> int | None:
   """torch's current stream on ``t``'s device as a DLPack stream value (None on CPU)."""
   if t.device.type != "cuda":
@@ -171,7 +182,7 @@ def export_array(a: jax.Array, stream: int | None) -> torch.Tensor:
 def check_array(name: str, a) -> None:
   if not isinstance(a, jax.Array):
     raise TypeError(f"{name} must be a jax.Array; got {type(a).__name__}")
-  if jnp.dtype(a.dtype) not in JAX_TO_TORCH_DTYPE:
+  if a.dtype not in JAX_TO_TORCH_DTYPE:
     raise TypeError(f"{name} has dtype {a.dtype}, which the torch bridge does not carry; "
                     f"supported: {_supported()}")
   if len(a.sharding.device_set) != 1:

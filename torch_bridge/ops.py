@@ -70,19 +70,21 @@ def torch_op(fn: Callable) -> Callable:
   Tensor arguments (torch tensors, or jax.Arrays passed through) are dynamic;
   every other argument is static and compiled in. One ``jax.jit`` of ``fn`` is
   kept per static signature; jit caches its executable per shape and dtype.
-  On CUDA, JAX's stream waits once per call for torch's current stream, and
+  On CUDA, the executable waits once per call for torch's current stream, and
   torch's current stream waits (on the GPU) for the results.
   """
   params = list(inspect.signature(fn).parameters)
   jitted: dict = {}
 
   def build(spec, kw_spec):
-    def call(*dyn):
+    def call(fence, *dyn):
+      del fence  # only its definition event matters (see below)
       it = iter(dyn)
       args = [next(it) if s is _DYNAMIC else s for s in spec]
       kwargs = {k: (next(it) if v is _DYNAMIC else v) for k, v in kw_spec}
       return fn(*args, **kwargs)
-    return jax.jit(call)
+    # keep_unused: the fence must reach the executable, which waits for it.
+    return jax.jit(call, keep_unused=True)
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -111,7 +113,7 @@ def torch_op(fn: Callable) -> Callable:
 
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None:  # jax.Arrays only: a plain call, results to torch.
-      out = f(*tensors)
+      out = f(None, *tensors)
       leaf = jax.tree_util.tree_leaves(out)
       return _export_tree(out, _interop.array_stream(leaf[0]) if leaf else None)
     device = _interop.jax_device(first)
@@ -122,10 +124,16 @@ def torch_op(fn: Callable) -> Callable:
         if t.device != torch_device:
           raise ValueError(f"{name} is on {t.device} but {names[tensors.index(first)]} is on "
                            f"{torch_device}; all tensors of one call must share a device")
+    # One fence a call: a tiny buffer imported on JAX's ready-event stream after
+    # that stream waited for torch's; the executable waits for its definition
+    # event. The inputs themselves are imported without a stream (their events
+    # sit on JAX's compute stream), which saves a stream hop per tensor.
     stream = _interop.fence_torch_to_jax(first, device)
-    dyn = [_interop.import_tensor(t, device, stream) if isinstance(t, torch.Tensor) else t
+    fence = None if stream is None else _interop.import_tensor(
+        _interop.fence_tensor(first), device, stream)
+    dyn = [_interop.import_tensor(t, device, None) if isinstance(t, torch.Tensor) else t
            for t in tensors]
-    return _export_tree(f(*dyn), _interop.torch_stream_ptr(first))
+    return _export_tree(f(fence, *dyn), _interop.torch_stream_ptr(first))
 
   wrapper.jax_op = fn
   return wrapper

@@ -66,7 +66,7 @@ class DeepseekV4Config:
     block_size: tokens per block of the compressed layer's block table; the
       compressed cache holds ``block_size // compress_ratio`` entries per block.
     swa_block_size: tokens per SWA cache block.
-    kv_cache_dtype: cache format, ``"fp8_model1"``.
+    kv_cache_dtype: cache format of both caches; ``"fp8_model1"`` only.
     prefill_chunk_size: prefill requests per workspace chunk.
     scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
   """
@@ -242,35 +242,44 @@ def build_deepseek_v4_metadata(
     raise ValueError(f"need 0 <= num_decodes <= {num_reqs} and 0 <= num_decode_tokens <= "
                      f"{num_tokens}; got {num_decodes}, {num_decode_tokens}")
   num_prefills, num_prefill_tokens = num_reqs - num_decodes, num_tokens - num_decode_tokens
-  query_start_loc_a = jnp.asarray(query_start_loc)
-  token_to_req = req_id_per_token(query_start_loc_a, num_tokens=num_tokens)
+  arrays = _build_metadata_arrays(
+      jnp.asarray(query_start_loc), seq_lens, slot_mapping, swa_block_table,
+      block_table if config.compress_ratio > 1 else None, config=config,
+      num_decodes=num_decodes, num_decode_tokens=num_decode_tokens)
+  return DeepseekV4Metadata(
+      **arrays, num_decodes=num_decodes, num_prefills=num_prefills,
+      num_decode_tokens=num_decode_tokens, num_prefill_tokens=num_prefill_tokens,
+      prefill_chunk_capacity=_chunk_capacity(query_start_loc, config, num_decodes,
+                                             num_prefills, num_prefill_tokens))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_decodes", "num_decode_tokens"))
+def _build_metadata_arrays(query_start_loc, seq_lens, slot_mapping, swa_block_table, block_table,
+                           *, config, num_decodes, num_decode_tokens):
+  num_tokens, td = slot_mapping.shape[0], num_decode_tokens
+  token_to_req = req_id_per_token(query_start_loc, num_tokens=num_tokens)
   token = jnp.arange(num_tokens, dtype=jnp.int32)
-  positions = idx.token_positions(query_start_loc_a, seq_lens, token_to_req, token)
+  positions = idx.token_positions(query_start_loc, seq_lens, token_to_req, token)
   is_valid = slot_mapping >= 0
-  td = num_decode_tokens
   swa_indices, swa_lens = idx.compute_swa_indices_and_lens(
-      query_start_loc_a, seq_lens, token_to_req[:td], is_valid[:td], swa_block_table,
+      query_start_loc, seq_lens, token_to_req[:td], is_valid[:td], swa_block_table,
       window_size=config.window_size, block_size=config.swa_block_size)
   prefill_seq_lens = seq_lens[num_decodes:]
   gather_lens = idx.compute_prefill_gather_lens(
-      query_start_loc_a[num_decodes:], prefill_seq_lens, window_size=config.window_size)
+      query_start_loc[num_decodes:], prefill_seq_lens, window_size=config.window_size)
   c128a = (None, None, None)
   if config.compress_ratio == 128:
     c128a = idx.build_c128a_topk_metadata(
         positions, token_to_req, block_table, slot_mapping, compress_ratio=128,
         topk=config.topk, num_decode_tokens=td, block_size=config.compressed_block_size)
-  return DeepseekV4Metadata(
-      query_start_loc=query_start_loc_a, seq_lens=seq_lens, positions=positions,
+  return dict(
+      query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
       token_to_req_indices=token_to_req, is_valid_token=is_valid, slot_mapping=slot_mapping,
-      swa_block_table=swa_block_table,
-      block_table=block_table if config.compress_ratio > 1 else None,
+      swa_block_table=swa_block_table, block_table=block_table,
       decode_swa_indices=swa_indices, decode_swa_lens=swa_lens,
       prefill_seq_lens=prefill_seq_lens, prefill_gather_lens=gather_lens,
       c128a_global_decode_topk_indices=c128a[0], c128a_decode_topk_lens=c128a[1],
-      c128a_prefill_topk_indices=c128a[2], num_decodes=num_decodes, num_prefills=num_prefills,
-      num_decode_tokens=td, num_prefill_tokens=num_prefill_tokens,
-      prefill_chunk_capacity=_chunk_capacity(query_start_loc, config, num_decodes,
-                                             num_prefills, num_prefill_tokens))
+      c128a_prefill_topk_indices=c128a[2])
 
 
 def _check_layer_args(config, q, swa_cache, compressed_cache, attn_sink, topk_indices,
@@ -416,15 +425,19 @@ def deepseek_v4_sparse_prefill(
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("swa_cache",))
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"),
+                   donate_argnames=("swa_cache",))
 def deepseek_v4_write_swa_cache(kv: jax.Array, swa_cache: jax.Array, metadata: DeepseekV4Metadata,
-                                *, config: DeepseekV4Config) -> jax.Array:
+                                *, config: DeepseekV4Config,
+                                implementation: c.Implementation = None,
+                                interpret: bool = False) -> jax.Array:
   """Writes the new tokens' latents ``kv`` (bf16 ``[T, 512]``: NoPE then RoPE) into the
   SWA cache at ``metadata.slot_mapping`` (``-1`` skipped); returns the cache (donated)."""
   c.check_shape("kv", kv, (metadata.slot_mapping.shape[0], config.head_dim))
   return concat_and_cache_mla(kv[:, :config.nope_head_dim], kv[:, config.nope_head_dim:],
                               swa_cache, metadata.slot_mapping,
-                              kv_cache_dtype=config.kv_cache_dtype)
+                              kv_cache_dtype=config.kv_cache_dtype,
+                              implementation=implementation, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"),
@@ -454,13 +467,13 @@ def deepseek_v4_sparse_forward(
   Returns:
     ``(out bf16[T, num_heads, 512], swa_cache)``.
   """
+  kw = dict(config=config, implementation=implementation, interpret=interpret)
   if kv is not None:
-    swa_cache = deepseek_v4_write_swa_cache(kv, swa_cache, metadata, config=config)
+    swa_cache = deepseek_v4_write_swa_cache(kv, swa_cache, metadata, **kw)
   td = metadata.num_decode_tokens
   tk_d = tk_p = None
   if topk_indices is not None:
     tk_d, tk_p = topk_indices[:td], topk_indices[td:]
-  kw = dict(config=config, implementation=implementation, interpret=interpret)
   out_d = deepseek_v4_sparse_decode(q[:td], swa_cache, compressed_cache, metadata, attn_sink,
                                     tk_d, **kw)
   out_p = deepseek_v4_sparse_prefill(q[td:], swa_cache, compressed_cache, metadata, attn_sink,

@@ -41,11 +41,19 @@ for every format). Formats (``kv_cache_dtype``):
   every power of two up to 512). Tile scale: ``2**ceil(log2(max(amax, 1e-4) / 448))``
   (vLLM's writer; FlashMLA's test clamps ``amax/448`` at 1e-4 instead).
 
-Every quantizer clamps ``x / scale`` to +-448 before the round-to-nearest-even
-fp8 conversion (CUDA's saturating convert), so finite inputs never become NaN.
+Quantized values are ``float8_e4m3fn(clip(float32(x / scale), +-448))``: the
+IEEE float32 quotient, saturated, rounded to nearest even (CUDA's writers).
 Dequantization multiplies in float32 and rounds once to bf16 (exact for the
-power-of-two scales). Power-of-two exponents are read from float32 bits, so the
-result does not depend on a ``log2`` approximation.
+power-of-two scales).
+
+Bit-exact on every platform: XLA rewrites ``a / 448`` into ``a * fl(1/448)``,
+and XLA:GPU and Triton divide with the approximate ``div.full.f32``, so no
+result here depends on a division. ``amax / 448`` and ``ceil(log2(.))`` come from
+float32 bits with exact corrections, and ``x / scale`` from a candidate fixed
+up by exact comparisons at fp8 midpoints (:func:`fp8_bytes_of_quotient`). The
+reference and the Pallas kernel share these functions. (Exactness assumes
+normal float32 intermediates: tiles with amax below ~1e-30 may differ by an
+fp8 step between platforms that flush denormals and those that do not.)
 """
 
 from __future__ import annotations
@@ -56,8 +64,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla._common import (FP8_E4M3_MAX, check_dtype, check_int32, check_one_of, check_rank,
-                             check_shape)
+from jax_mla._common import (
+  FP8_E4M3_MAX,
+  check_dtype,
+  check_int32,
+  check_one_of,
+  check_rank,
+  check_shape,
+)
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla", "fp8_model1")
 FP8 = jnp.float8_e4m3fn
@@ -148,16 +162,23 @@ def kv_cache_storage_dtype(cache_dtype: str = "auto", activation_dtype=jnp.bfloa
 
 
 # ----------------------------------------------------------------------------
-# Scalar pieces shared with the Pallas writer. They are plain jax.numpy on
-# arrays of any shape; `div` is true division (the kernel passes a correctly
-# rounded one, since Triton's default f32 `/` is approximate).
+# Tile quantizers, shared with the Pallas writer: plain jax.numpy on arrays of
+# any shape, written so that XLA (CPU, GPU) and Triton give the same bits. The
+# scale rules need no division: XLA turns `a / 448` into `a * fl(1/448)` and
+# XLA:GPU and Triton divide with the approximate `div.full.f32`, all of which
+# move results by an ulp against the IEEE quotient that the CUDA writers use.
+
+
+def _exponent_bits(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(unbiased exponent, 23-bit mantissa field) of float32 ``x``."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  return (jax.lax.shift_right_logical(bits, 23) & 0xFF) - 127, bits & 0x7FFFFF
 
 
 def ceil_log2(s: jax.Array) -> jax.Array:
-  """``ceil(log2(s))`` as int32 for positive normal float32 ``s``, exact (from the bits)."""
-  bits = jax.lax.bitcast_convert_type(s, jnp.int32)
-  exponent = jax.lax.shift_right_logical(bits, 23) - 127
-  return exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+  """``ceil(log2(s))`` as int32 for positive normal float32 ``s``, exact."""
+  e, mantissa = _exponent_bits(s)
+  return e + (mantissa != 0).astype(jnp.int32)
 
 
 def exp2_int(e: jax.Array) -> jax.Array:
@@ -165,28 +186,111 @@ def exp2_int(e: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jax.lax.shift_left(e + 127, 23), jnp.float32)
 
 
-def ds_mla_tile_scale(amax: jax.Array, *, pow2_scales: bool, div=jnp.divide) -> jax.Array:
-  """fp8_ds_mla tile scale from the tile's float32 ``amax``."""
-  s = div(amax, jnp.full_like(amax, FP8_E4M3_MAX))
+def ceil_log2_div448(a: jax.Array) -> jax.Array:
+  """``ceil(log2(a / 448))`` (int32) for positive float32 ``a``, exact.
+
+  ``a = m * 2**k`` with ``m`` in [1, 2) and ``448 = 1.75 * 2**8``: the quotient is
+  at most ``2**(k-8)`` iff ``m <= 1.75`` (mantissa field ``0x600000``). Equal to
+  ``ceil_log2`` of the correctly rounded quotient (rounding never crosses a power
+  of two here); values below the normal range give a very negative exponent.
+  """
+  k, mantissa = _exponent_bits(a)
+  return k - 8 + (mantissa > 0x600000).astype(jnp.int32)
+
+
+def div448(a: jax.Array) -> jax.Array:
+  """Correctly rounded float32 ``a / 448`` for finite ``a >= 0`` where the
+  quotient is a normal float; below that, some value <= FLT_MIN (callers clamp)."""
+  a = a.astype(jnp.float32)
+  small = a < 2.0**-60  # scaled up (exactly) so that every ulp below is normal
+  a_s = jnp.where(a == 0, 1.0, jnp.where(small, a * np.float32(2.0**64), a))
+  q = a_s * np.float32(1 / 7)  # within 2 ulp of a_s / 7
+  for _ in range(2):  # each step moves q one ulp towards the rounded quotient
+    r = 2 * (0.5 * a_s - 4 * q) + q  # a_s - 7q, exact (Sterbenz twice; no overflow)
+    e, mantissa = _exponent_bits(q)
+    up = exp2_int(e - 23)
+    down = jnp.where(mantissa == 0, exp2_int(e - 24), up)  # ulp below a power of two
+    q = jnp.where(2 * r > 7 * up, q + up, jnp.where(2 * r < -7 * down, q - down, q))
+  q = q * jnp.where(small, np.float32(2.0**-70), np.float32(2.0**-6))
+  return jnp.where(a == 0, 0.0, q)
+
+
+def fp8_bytes(v: jax.Array) -> jax.Array:
+  """uint8 bytes of ``float8_e4m3fn(clip(v, +-448))`` (round to nearest even)."""
+  q = jnp.clip(v, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8)
+  return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _ulp_up_down(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 spacing above and below positive normal ``v``."""
+  e, mantissa = _exponent_bits(v)
+  up = exp2_int(e - 23)
+  return up, jnp.where(mantissa == 0, 0.5 * up, up)
+
+
+def fp8_bytes_of_quotient(x: jax.Array, s: jax.Array) -> jax.Array:
+  """uint8 bytes of ``float8_e4m3fn(clip(float32(x / s), +-448))`` for positive normal
+  ``s``: the IEEE float32 quotient rounded to fp8 (as the CUDA writers do),
+  identically on every platform.
+
+  A candidate from any float32 division is at most one fp8 step off. It is
+  settled at the fp8 midpoint ``m`` towards each neighbour: the float32 quotient
+  lies beyond ``m`` iff ``x / s > m + ulp(m)/2``, and equals ``m`` (an fp8 tie,
+  to even) iff it is within half a float32 ulp of it. The signs of
+  ``|x| - (m + h) * s`` decide, computed exactly: ``s`` is split into two 12-bit
+  halves so every product is exact, and ``h`` is a power of two.
+  """
+  ax = jnp.abs(x)
+  c = jnp.clip(ax / s, 0.0, FP8_E4M3_MAX).astype(FP8).astype(jnp.float32)
+  e, mantissa = _exponent_bits(c)
+  step_up = exp2_int(jnp.maximum(e, -6) - 3)  # e4m3 spacing: 2**(e-3), subnormals 2**-9
+  step_down = jnp.where((mantissa == 0) & (e > -6), 0.5 * step_up, step_up)
+  s_hi = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(s, jnp.int32) & ~0xFFF, jnp.float32)
+  s_lo = s - s_hi
+
+  def cmp(m, h):  # sign of |x| - (m + h) * s
+    return ((ax - m * s_hi) - m * s_lo) - h * s
+
+  def side(m):  # +1: the float32 quotient is above m, -1: below, 0: equal
+    up, down = _ulp_up_down(m)
+    return jnp.where(cmp(m, 0.5 * up) > 0, 1, jnp.where(cmp(m, -0.5 * down) < 0, -1, 0))
+
+  even = (jax.lax.bitcast_convert_type(c.astype(FP8), jnp.uint8) & 1) == 1  # neighbours even
+  above, below = side(c + 0.5 * step_up), side(c - 0.5 * step_down)
+  go_up = (c < FP8_E4M3_MAX) & ((above > 0) | ((above == 0) & even))
+  go_down = (c > 0) & ((below < 0) | ((below == 0) & even))
+  c = jnp.where(go_up, c + step_up, jnp.where(go_down, c - step_down, c))
+  negative = jax.lax.bitcast_convert_type(x, jnp.int32) < 0  # sign bit, so -0.0 stays -0
+  return fp8_bytes(jnp.where(negative, -c, c))
+
+
+def quantize_ds_mla_tiles(tiles: jax.Array, *, pow2_scales: bool = False):
+  """float32 ``[..., tile]`` -> (fp8 bytes ``[..., tile]``, float32 scale ``[...]``).
+
+  ``scale = max(amax / 448, FLT_MIN)`` (vLLM), or with ``pow2_scales``
+  ``2**ceil(log2(max(amax / 448, 1e-4)))`` (FlashMLA's reference); values are
+  ``x / scale`` rounded once to fp8.
+  """
+  amax = jnp.max(jnp.abs(tiles), axis=-1)
   if pow2_scales:
-    return exp2_int(ceil_log2(jnp.maximum(s, POW2_MIN_SCALE)))
-  return jnp.maximum(s, DS_MLA_MIN_SCALE)
+    e = jnp.maximum(ceil_log2_div448(amax), ceil_log2(np.float32(POW2_MIN_SCALE)))
+    return fp8_bytes(tiles * exp2_int(-e)[..., None]), exp2_int(e)
+  scale = jnp.maximum(div448(amax), DS_MLA_MIN_SCALE)
+  return fp8_bytes_of_quotient(tiles, scale[..., None]), scale
 
 
-def model1_tile_exponent(amax: jax.Array, *, div=jnp.divide) -> jax.Array:
-  """fp8_model1 tile scale exponent ``ceil(log2(max(amax, 1e-4) / 448))`` (int32)."""
-  a = jnp.maximum(amax, MODEL1_MIN_AMAX)
-  return ceil_log2(div(a, jnp.full_like(a, FP8_E4M3_MAX)))
+def quantize_model1_tiles(tiles: jax.Array):
+  """float32 ``[..., 64]`` -> (fp8 bytes, int32 exponent ``e`` of the scale ``2**e``).
+
+  ``e = ceil(log2(max(amax, 1e-4) / 448))``, in [-22, 120] for finite input.
+  """
+  e = ceil_log2_div448(jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), MODEL1_MIN_AMAX))
+  return fp8_bytes(tiles * exp2_int(-e)[..., None]), e
 
 
-def to_fp8_bytes(x: jax.Array, scale: jax.Array, *, div=jnp.divide) -> jax.Array:
-  """uint8 bytes of ``float8_e4m3fn(clip(x / scale, +-448))`` (``scale`` broadcast to ``x``)."""
-  q = jnp.clip(div(x, jnp.broadcast_to(scale, x.shape)), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-  return jax.lax.bitcast_convert_type(q.astype(FP8), jnp.uint8)
-
-
-def _to_bytes(x: jax.Array) -> jax.Array:
-  """Little-endian bytes of ``x`` along a flattened last axis (``[..., n] -> [..., n*itemsize]``)."""
+def to_bytes(x: jax.Array) -> jax.Array:
+  """Little-endian bytes of ``x`` along the last axis: ``[..., n] -> [..., n * itemsize]``."""
   b = jax.lax.bitcast_convert_type(x, jnp.uint8)
   return b.reshape(*x.shape[:-1], -1)
 
@@ -209,7 +313,7 @@ def _check_last(name: str, x, size: int) -> None:
     raise ValueError(f"{name} must have shape [..., {size}]; got {list(x.shape)}")
 
 
-def _check_float(name: str, x) -> None:
+def check_float(name: str, x) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2:
     raise TypeError(f"{name} must have dtype bfloat16, float16 or float32; got {x.dtype}")
 
@@ -228,14 +332,14 @@ def quantize_fp8_ds_mla(x: jax.Array, *, pow2_scales: bool = False) -> jax.Array
     uint8 ``[..., 656]``. A bf16 ``[num_blocks, block_size, 576]`` input gives a
     whole fp8_ds_mla cache.
   """
-  _check_float("x", x)
+  check_float("x", x)
   _check_last("x", x, HEAD_SIZE)
   nope = x[..., :KV_LORA_RANK].astype(jnp.float32)
   tiles = nope.reshape(*x.shape[:-1], DS_MLA_NUM_TILES, DS_MLA_TILE)
-  scale = ds_mla_tile_scale(jnp.max(jnp.abs(tiles), axis=-1), pow2_scales=pow2_scales)
-  nope_bytes = to_fp8_bytes(tiles, scale[..., None]).reshape(*x.shape[:-1], KV_LORA_RANK)
+  nope_bytes, scale = quantize_ds_mla_tiles(tiles, pow2_scales=pow2_scales)
+  nope_bytes = nope_bytes.reshape(*x.shape[:-1], KV_LORA_RANK)
   rope = x[..., KV_LORA_RANK:].astype(jnp.bfloat16)
-  return jnp.concatenate([nope_bytes, _to_bytes(scale), _to_bytes(rope)], axis=-1)
+  return jnp.concatenate([nope_bytes, to_bytes(scale), to_bytes(rope)], axis=-1)
 
 
 @jax.jit
@@ -256,20 +360,20 @@ def dequantize_fp8_ds_mla(b: jax.Array) -> jax.Array:
 # cache stores the two parts in separate regions of each block.
 
 
-def _model1_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def encode_model1(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``[..., 512]`` -> (token data uint8 ``[..., 576]``, scale bytes uint8 ``[..., 8]``)."""
   tiles = x[..., :MODEL1_NOPE].astype(jnp.float32).reshape(
       *x.shape[:-1], MODEL1_NUM_TILES, MODEL1_TILE)
-  e = model1_tile_exponent(jnp.max(jnp.abs(tiles), axis=-1))
-  nope_bytes = to_fp8_bytes(tiles, exp2_int(e)[..., None]).reshape(*x.shape[:-1], MODEL1_NOPE)
+  nope_bytes, e = quantize_model1_tiles(tiles)
+  nope_bytes = nope_bytes.reshape(*x.shape[:-1], MODEL1_NOPE)
   rope = x[..., MODEL1_NOPE:].astype(jnp.bfloat16)
-  data = jnp.concatenate([nope_bytes, _to_bytes(rope)], axis=-1)
+  data = jnp.concatenate([nope_bytes, to_bytes(rope)], axis=-1)
   codes = (e + 127).astype(jnp.uint8)
   scales = jnp.concatenate([codes, jnp.zeros((*x.shape[:-1], 1), jnp.uint8)], axis=-1)
   return data, scales
 
 
-def _model1_decode(data: jax.Array, scales: jax.Array) -> jax.Array:
+def decode_model1(data: jax.Array, scales: jax.Array) -> jax.Array:
   """(``[..., 576]``, ``[..., 8]``) bytes -> bf16 ``[..., 512]``."""
   nope = _fp8_bytes_to_f32(data[..., :MODEL1_NOPE]).reshape(
       *data.shape[:-1], MODEL1_NUM_TILES, MODEL1_TILE)
@@ -291,9 +395,9 @@ def quantize_fp8_model1(x: jax.Array) -> jax.Array:
     8 scale bytes (7 UE8M0 exponents + a zero pad), i.e. the two pieces a cache
     block stores apart. Use :func:`quantize_fp8_model1_cache` for a whole cache.
   """
-  _check_float("x", x)
+  check_float("x", x)
   _check_last("x", x, MODEL1_HEAD_SIZE)
-  return jnp.concatenate(_model1_encode(x), axis=-1)
+  return jnp.concatenate(encode_model1(x), axis=-1)
 
 
 @jax.jit
@@ -301,7 +405,7 @@ def dequantize_fp8_model1(b: jax.Array) -> jax.Array:
   """Inverse of :func:`quantize_fp8_model1`: uint8 ``[..., 584]`` -> bf16 ``[..., 512]``."""
   check_dtype("b", b, jnp.uint8)
   _check_last("b", b, MODEL1_TOKEN_BYTES)
-  return _model1_decode(b[..., :MODEL1_DATA_BYTES], b[..., MODEL1_DATA_BYTES:])
+  return decode_model1(b[..., :MODEL1_DATA_BYTES], b[..., MODEL1_DATA_BYTES:])
 
 
 def _model1_regions(cache: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -328,12 +432,12 @@ def quantize_fp8_model1_cache(x: jax.Array) -> jax.Array:
   Returns uint8 ``[num_blocks, block_size, padded_block_bytes // block_size]``
   (FlashMLA ``quantize_k_cache(..., MODEL1_FP8Sparse)``), padding bytes zero.
   """
-  _check_float("x", x)
+  check_float("x", x)
   check_rank("x", x, 3)
   _check_last("x", x, MODEL1_HEAD_SIZE)
   nb, bs, _ = x.shape
   width = _model1_row_width(bs)
-  data, scales = _model1_encode(x)
+  data, scales = encode_model1(x)
   pad = jnp.zeros((nb, bs * width - bs * MODEL1_TOKEN_BYTES), jnp.uint8)
   flat = jnp.concatenate([data.reshape(nb, -1), scales.reshape(nb, -1), pad], axis=-1)
   return flat.reshape(nb, bs, width)
@@ -341,9 +445,9 @@ def quantize_fp8_model1_cache(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def dequantize_fp8_model1_cache(cache: jax.Array) -> jax.Array:
-  """fp8_model1 cache ``[num_blocks, block_size, width]`` -> bf16 ``[num_blocks, block_size, 512]``."""
+  """fp8_model1 cache ``[num_blocks, block_size, width]`` -> bf16 ``[.., .., 512]``."""
   check_model1_cache("cache", cache)
-  return _model1_decode(*_model1_regions(cache))
+  return decode_model1(*_model1_regions(cache))
 
 
 # ----------------------------------------------------------------------------
@@ -356,7 +460,7 @@ def check_fp8_cache(name: str, cache) -> None:
 
 def quantize_fp8_per_tensor(x: jax.Array, scale: jax.Array) -> jax.Array:
   """``float8_e4m3fn(clip(x / scale, +-448))`` with a scalar float32 ``scale``."""
-  return jax.lax.bitcast_convert_type(to_fp8_bytes(x.astype(jnp.float32), scale), FP8)
+  return jax.lax.bitcast_convert_type(fp8_bytes_of_quotient(x.astype(jnp.float32), scale), FP8)
 
 
 def as_scale(scale) -> jax.Array:
@@ -380,7 +484,7 @@ def check_cache(kv_cache, kv_cache_dtype: str, name: str = "kv_cache") -> None:
   check_one_of("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
   check_rank(name, kv_cache, 3)
   if kv_cache_dtype == "auto":
-    _check_float(name, kv_cache)
+    check_float(name, kv_cache)
   elif kv_cache_dtype == "fp8":
     check_fp8_cache(name, kv_cache)
   elif kv_cache_dtype == "fp8_ds_mla":
@@ -428,7 +532,7 @@ def gather_dequantize(kv_cache: jax.Array, slots: jax.Array, *, kv_cache_dtype: 
     scale_at = block_base + bs * MODEL1_DATA_BYTES + offset * MODEL1_SCALE_BYTES
     data = flat[data_at[..., None] + jnp.arange(MODEL1_DATA_BYTES)]
     scales = flat[scale_at[..., None] + jnp.arange(MODEL1_SCALE_BYTES)]
-    return _model1_decode(data, scales)
+    return decode_model1(data, scales)
   rows = kv_cache.reshape(nb * bs, width)[s]
   if kv_cache_dtype == "fp8_ds_mla":
     return dequantize_fp8_ds_mla(rows)

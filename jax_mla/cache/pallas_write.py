@@ -11,9 +11,9 @@ whose fp8 bytes are masked off and whose scale byte becomes the zero pad); the
 pieces stored are 512 (V4: masked to 448), 16 or 8, and 128 bytes. The RoPE
 bytes are a bitcast of the input made outside the kernel (T * 128 bytes).
 
-Triton's float32 ``/`` is approximate (``div.full.f32``); the quantizer needs
-the correctly rounded quotient to match the reference byte for byte, so on
-CUDA it divides with ``div.rn.f32`` through inline PTX.
+The quantization math is the reference's own (``formats.quantize_*_tiles``),
+written without divisions where the result must be exact, so the kernel
+matches the XLA reference byte for byte on the same platform.
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ from jax.experimental.pallas import triton as plgpu
 from jax_mla.cache import formats as F
 
 
-def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
-  """IEEE round-to-nearest float32 ``a / b`` on CUDA (PTX ``div.rn.f32``)."""
-  return plgpu.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
-
-
 def _le_bytes(words: jax.Array) -> jax.Array:
   """int32 ``[n]`` -> little-endian uint8 ``[4n]`` (shifts, no reshaping bitcast)."""
   n = words.shape[0]
@@ -44,7 +37,7 @@ def _le_bytes(words: jax.Array) -> jax.Array:
 
 
 def _kernel(slot_ref, x_ref, rope_ref, cache_in_ref, cache_ref, *, kv_cache_dtype, block_size,
-            capacity, div):
+            capacity):
   del cache_in_ref  # The same buffer as cache_ref (input_output_aliases).
   t = pl.program_id(0)
   slot = slot_ref[t]
@@ -58,19 +51,18 @@ def _kernel(slot_ref, x_ref, rope_ref, cache_in_ref, cache_ref, *, kv_cache_dtyp
     else:
       num_tiles, tile = F.MODEL1_NUM_TILES + 1, F.MODEL1_TILE
     x = x_ref[t, pl.ds(0, num_tiles * tile)].astype(jnp.float32).reshape(num_tiles, tile)
-    amax = jnp.max(jnp.abs(x), axis=1)
     rope = rope_ref[t, :]
     if kv_cache_dtype == "fp8_ds_mla":
-      scale = F.ds_mla_tile_scale(amax, pow2_scales=False, div=div)
-      nope = F.to_fp8_bytes(x, scale[:, None], div=div).reshape(F.KV_LORA_RANK)
+      nope, scale = F.quantize_ds_mla_tiles(x)
+      nope = nope.reshape(F.KV_LORA_RANK)
       base = offset * F.DS_MLA_BYTES
       cache_ref[block, pl.ds(base, F.KV_LORA_RANK)] = nope
       cache_ref[block, pl.ds(base + F.DS_MLA_SCALE_OFFSET, 4 * num_tiles)] = _le_bytes(
           jax.lax.bitcast_convert_type(scale, jnp.int32))
       cache_ref[block, pl.ds(base + F.DS_MLA_ROPE_OFFSET, 2 * F.ROPE_DIM)] = rope
     else:
-      e = F.model1_tile_exponent(amax, div=div)
-      nope = F.to_fp8_bytes(x, F.exp2_int(e)[:, None], div=div).reshape(num_tiles * tile)
+      nope, e = F.quantize_model1_tiles(x)
+      nope = nope.reshape(num_tiles * tile)
       lane = jax.lax.iota(jnp.int32, num_tiles * tile)
       base = offset * F.MODEL1_DATA_BYTES
       # The 8th tile is RoPE: its fp8 bytes are not stored, its scale slot is the pad.
@@ -82,25 +74,23 @@ def _kernel(slot_ref, x_ref, rope_ref, cache_in_ref, cache_ref, *, kv_cache_dtyp
       cache_ref[block, pl.ds(scale_at, F.MODEL1_SCALE_BYTES)] = codes.astype(jnp.uint8)
 
 
-def _use_div_rn(interpret: bool) -> bool:
-  # Inline PTX: CUDA only (ROCm keeps Triton's division; the interpreter runs on the host).
-  if interpret or jax.default_backend() != "gpu":
-    return False
-  return "rocm" not in jax.devices()[0].client.platform_version.lower()
+def write_quantized_pallas(x: jax.Array, rope: jax.Array, kv_cache: jax.Array,
+                           slot_mapping: jax.Array, *, kv_cache_dtype: str,
+                           interpret: bool = False) -> jax.Array:
+  """Writes token ``t`` (``t < S``) into slot ``slot_mapping[t]``; invalid slots are skipped.
 
-
-def write_quantized_pallas(x: jax.Array, kv_cache: jax.Array, slot_mapping: jax.Array, *,
-                           kv_cache_dtype: str, interpret: bool = False) -> jax.Array:
-  """Quantizes ``x[S, 576]`` (fp8_ds_mla) or ``x[S, 512]`` (fp8_model1) into their slots.
-
-  Inputs are validated by ``concat_and_cache_mla``; invalid slots are skipped.
+  Args:
+    x: ``[S, >=512]`` float; its first 512 columns are quantized: the V3.2 NoPE
+      (fp8_ds_mla) or the whole V4 latent, whose RoPE tile is not stored as fp8.
+    rope: ``[S, 64]`` RoPE values, stored as bf16.
+    kv_cache, slot_mapping, kv_cache_dtype: as ``concat_and_cache_mla``, which
+      validates them.
   """
   num_tokens = slot_mapping.shape[0]
   nb, bs, width = kv_cache.shape
-  rope = F._to_bytes(x[:, -F.ROPE_DIM:].astype(jnp.bfloat16))
-  div = _div_rn if _use_div_rn(interpret) else jnp.divide
+  rope = F.to_bytes(rope.astype(jnp.bfloat16))
   kernel = functools.partial(_kernel, kv_cache_dtype=kv_cache_dtype, block_size=bs,
-                             capacity=nb * bs, div=div)
+                             capacity=nb * bs)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((nb, bs * width), jnp.uint8),

@@ -35,7 +35,7 @@ def _write_rows(kv_cache: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -
 def _write_model1(kv_cache: jax.Array, x: jax.Array, slot_mapping: jax.Array) -> jax.Array:
   """Reference fp8_model1 write: token data and scales into their block regions."""
   nb, bs, width = kv_cache.shape
-  data, scales = F._model1_encode(x)
+  data, scales = F.encode_model1(x)
   target = _slot_targets(slot_mapping, nb * bs)
   block = (target // bs)[:, None]  # == nb for skipped tokens: dropped
   offset = (target % bs)[:, None]
@@ -52,10 +52,16 @@ def _write_model1(kv_cache: jax.Array, x: jax.Array, slot_mapping: jax.Array) ->
                    donate_argnums=(2,))
 def _concat_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale, *, kv_cache_dtype,
                       implementation, interpret):
-  x = jnp.concatenate([kv_c, k_pe.astype(kv_c.dtype)], axis=-1)[:slot_mapping.shape[0]]
+  num_tokens = slot_mapping.shape[0]
+  kv_c, k_pe = kv_c[:num_tokens], k_pe[:num_tokens].astype(kv_c.dtype)
+  x = jnp.concatenate([kv_c, k_pe], axis=-1)
   if kv_cache_dtype in ("fp8_ds_mla", "fp8_model1") and implementation == "pallas":
-    return write_quantized_pallas(x, kv_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype,
-                                  interpret=interpret)
+    # The kernel quantizes the first 512 columns of its input and stores the
+    # RoPE bytes as given: V3.2 reads kv_c itself (no concatenated copy), V4
+    # its whole latent.
+    nope = kv_c if kv_cache_dtype == "fp8_ds_mla" else x
+    return write_quantized_pallas(nope, x[:, -F.ROPE_DIM:], kv_cache, slot_mapping,
+                                  kv_cache_dtype=kv_cache_dtype, interpret=interpret)
   if kv_cache_dtype == "fp8_model1":
     return _write_model1(kv_cache, x, slot_mapping)
   if kv_cache_dtype == "fp8_ds_mla":
@@ -73,8 +79,8 @@ def _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype) -> None:
   F.check_cache(kv_cache, kv_cache_dtype)
   check_rank("kv_c", kv_c, 2)
   check_rank("k_pe", k_pe, 2)
-  F._check_float("kv_c", kv_c)
-  F._check_float("k_pe", k_pe)
+  F.check_float("kv_c", kv_c)
+  F.check_float("k_pe", k_pe)
   check_int32("slot_mapping", slot_mapping)
   check_rank("slot_mapping", slot_mapping, 1)
   num_tokens = kv_c.shape[0]

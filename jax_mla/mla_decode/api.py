@@ -12,8 +12,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla._common import (cdiv, check_dtype, check_int32, check_one_of, check_rank,
-                             check_shape, resolve_implementation)
+from jax_mla._common import (
+  cdiv,
+  check_dtype,
+  check_int32,
+  check_rank,
+  check_shape,
+  resolve_implementation,
+)
 from jax_mla.mla_decode import pallas as kern
 from jax_mla.mla_decode import reference as ref
 
@@ -179,10 +185,7 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, 
 
   max_blocks = block_table.shape[1]
   page_size = kv_cache.shape[1]
-  seq = jnp.clip(cache_seqlens, 0, max_blocks * page_size)
-  req = jnp.arange(b, dtype=jnp.int32)
-  meta = jnp.stack([req * s_q, jnp.full((b,), s_q, jnp.int32), seq, seq - s_q,
-                    req * max_blocks])
+  meta = paged_groups(block_table, cache_seqlens, s_q=s_q, page_size=page_size)
   out, lse = _run_kernel(
       q.reshape(b * s_q * h_q, D_QK), kv_cache, meta, block_table.reshape(-1),
       kern.kernel_scales(sm_scale), h_q=h_q, rows_per_group=s_q * h_q, causal=causal,
@@ -190,6 +193,15 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, 
       interpret=interpret)
   return (out.reshape(b, s_q, h_q, D_NOPE),
           lse.reshape(b, s_q, h_q).transpose(0, 2, 1))
+
+
+def paged_groups(block_table, cache_seqlens, *, s_q, page_size):
+  """Query-group metadata (``i32[5, b]``) for the FlashMLA block-table convention."""
+  b, max_blocks = block_table.shape
+  seq = jnp.clip(cache_seqlens, 0, max_blocks * page_size)
+  req = jnp.arange(b, dtype=jnp.int32)
+  return jnp.stack([req * s_q, jnp.full((b,), s_q, jnp.int32), seq, seq - s_q,
+                    req * max_blocks])
 
 
 def _ragged_groups(cu_q_lens, kv_lens, distribution, *, tokens_per_group, num_tokens,

@@ -126,7 +126,9 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
   lse = (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * _LN2
   # Partials mark empty splits -inf (weight 0); the final result uses +inf.
   lse = jnp.where(empty, jnp.inf if num_splits == 1 else -jnp.inf, lse)
-  out_rows = jnp.where(row_ok, split * num_rows + rows, 0)
+  # Masked rows point past the end: interpret mode scatters every index (even
+  # masked ones, rewriting the old value), so they must not alias a live row.
+  out_rows = jnp.where(row_ok, split * num_rows + rows, num_splits * num_rows)
   plgpu.store(o_ref.at[_cols(out_rows, 0, D_NOPE)], out.astype(o_ref.dtype), mask=row_ok[:, None])
   plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
 

@@ -8,8 +8,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_mla._common import (Implementation, check_dtype, check_int32, check_rank, check_shape,
-                             resolve_implementation)
+from jax_mla._common import (
+  Implementation,
+  check_dtype,
+  check_int32,
+  check_rank,
+  check_shape,
+  resolve_implementation,
+)
 from jax_mla.mla_prefill.kernel import mla_prefill_pallas, split_head_dim
 from jax_mla.mla_prefill.reference import mla_prefill_reference
 

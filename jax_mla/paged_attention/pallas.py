@@ -11,8 +11,9 @@ splits (and the attention sink) are merged afterwards in XLA with
   each iteration has more loads in flight;
 - with a sliding window the loop starts at the first tile inside the window
   instead of masking every tile before it;
-- slots at or past ``seq_len`` (and blocks with an out-of-range id) are masked
-  loads: never read, so NaN there cannot reach the output.
+- slots at or past ``seq_len`` and blocks with an out-of-range id never reach the
+  result: their scores are selected to -inf and their V rows to 0 (NaN-safe), and
+  an out-of-range block id is never dereferenced.
 """
 
 from __future__ import annotations
@@ -39,10 +40,6 @@ _LOG2E = 1.4426950408889634
 _LN2 = math.log(2.0)
 
 
-def _load(ref_at, mask):
-  return plgpu.load(ref_at, mask=mask, other=0)
-
-
 def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, group, head_dim,
             block_size, k_x, v_x, block_n, num_splits, sliding_window, num_blocks, has_alibi):
   if has_alibi:
@@ -61,8 +58,10 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
   d = jnp.arange(d_pad, dtype=jnp.int32)
   g_ok = g < group
   d_ok = d < head_dim
-  q = _load(q_ref.at[row, h, g[:, None], d[None, :]], g_ok[:, None] & d_ok[None, :])
-  slope = _load(alibi_ref.at[h, g], g_ok) if has_alibi else None
+  d_full = head_dim == d_pad
+  q = plgpu.load(q_ref.at[row, h, g[:, None], d[None, :]], mask=g_ok[:, None] & d_ok[None, :],
+                 other=0)
+  slope = plgpu.load(alibi_ref.at[h, g], mask=g_ok, other=0) if has_alibi else None
 
   # This split's tiles: an equal share of the tiles that touch the window.
   num_tiles = (seq_len + block_n - 1) // block_n
@@ -77,21 +76,31 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
     m, l, acc = carry
     pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
     # lax.div/rem (not // and %, which add sign fixes) keep the offsets' contiguity
-    # visible to Triton, which then issues vector loads.
+    # visible to Triton, which then issues 16-byte loads.
     logical = lax.div(pos, block_size)
-    valid = (pos < seq_len) & (logical < max_blocks)
+    blk = bt_ref[s, jnp.minimum(logical, max_blocks - 1)]
+    blk_ok = (blk >= 0) & (blk < num_blocks)
+    valid = (pos < seq_len) & (logical < max_blocks) & blk_ok
     if sliding_window > 0:
       valid &= (seq_len - 1 - pos) < sliding_window
-    blk = _load(bt_ref.at[s, logical], valid)
-    valid &= (blk >= 0) & (blk < num_blocks)
+    # Every lane reads inside the cache (a bad block id reads block 0), and no load is
+    # masked per token: a per-token mask would stop vector loads along the token axis.
+    # What invalid slots hold (NaN, stale data) is dropped by selects below: their
+    # scores become -inf and their V rows 0, so it never reaches an arithmetic op.
+    blk = jnp.where(blk_ok, blk, 0)
     off = lax.rem(pos, block_size)
-    kv_mask = valid[:, None] & d_ok[None, :]
 
-    def gather(ref, x):  # [block_n, d_pad] rows of this tile; masked slots read as 0
-      return _load(ref.at[blk[:, None], h, lax.div(d, x)[None, :], off[:, None],
-                          lax.rem(d, x)[None, :]], kv_mask)
+    def gather(ref, x):  # [block_n, d_pad]; head-dim padding lanes are not read
+      return plgpu.load(ref.at[blk[:, None], h, lax.div(d, x)[None, :], off[:, None],
+                               lax.rem(d, x)[None, :]],
+                        mask=None if d_full else d_ok[None, :])
 
+    # Both tiles are loaded before any math so that their reads overlap.
     k = gather(k_ref, k_x).astype(q.dtype)
+    v = gather(v_ref, v_x).astype(q.dtype)
+    if not d_full:  # masked lanes are undefined: zero them (q is 0 there, 0 * NaN is not)
+      k = jnp.where(d_ok[None, :], k, 0)
+    v = jnp.where(valid[:, None] if d_full else valid[:, None] & d_ok[None, :], v, 0)
     scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * qk_scale
     if has_alibi:
@@ -99,10 +108,9 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
       scores += slope[:, None] * rel[None, :]
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked so far: avoid inf - inf
-    alpha = jnp.exp2(m - m_ref)
-    p = jnp.exp2(scores - m_ref[:, None])
-    v = gather(v_ref, v_x).astype(q.dtype)
+    m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no inf - inf
+    alpha = jnp.exp2(m - m_base)
+    p = jnp.exp2(scores - m_base[:, None])
     pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv

@@ -12,6 +12,10 @@ dequantized in registers, one scale tile at a time, to bf16 for the dots:
 * ``"fp8_model1"`` (V4): 7 NoPE tiles of 64 fp8 values times ``2**(e - 127)``
   (UE8M0 byte ``e`` from the block's scale region), then 64 bf16 RoPE values.
   V = all 8 pieces (d_v 512 = 448 NoPE + 64 RoPE).
+
+Pallas Triton computes gather offsets in int32 for arrays of at most 4 GiB, which
+wraps once an element offset passes 2**31: byte views of caches between 2 and
+4 GiB are therefore read as uint16 pairs and split into bytes in registers.
 """
 
 from __future__ import annotations
@@ -29,16 +33,56 @@ from jax_mla.sparse_mla.prefill_pallas import (KernelConfig, KVSource, bf16_sour
                                                run_sparse_mla)
 
 
-def _dequant_tile(byte_tile: jax.Array, scale: jax.Array) -> jax.Array:
-  """uint8 fp8 bytes ``[K, w]`` times a per-row float32 scale ``[K]`` -> bf16."""
-  vals = lax.bitcast_convert_type(byte_tile, FP8).astype(jnp.float32)
-  return (vals * scale[:, None]).astype(jnp.bfloat16)
+# Byte views larger than this (and at most 4 GiB) are read as uint16 (see the module doc).
+I32_SAFE_BYTES = 2**31
 
 
-def ds_mla_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]:
+def _byte_view(rows: jax.Array) -> tuple[jax.Array, bool]:
+  """uint8 ``[R, W]`` -> (the view the kernel reads, whether it is uint16 ``[R, W/2]``)."""
+  if I32_SAFE_BYTES < rows.size <= 2**32:
+    r, w = rows.shape
+    return lax.bitcast_convert_type(rows.reshape(r, w // 2, 2), jnp.uint16), True
+  return rows, False
+
+
+def _load_bytes(ref, rows, valid, col: int, width: int, wide: bool) -> jax.Array:
+  """uint8 ``[K, width]`` at byte column ``col`` of the gathered rows (0 where invalid)."""
+  if not wide:
+    return gather_rows(ref, rows, valid, col, width)
+  pairs = gather_rows(ref, rows, valid, col // 2, width // 2).astype(jnp.int32)
+  lo = (pairs & 0xFF).astype(jnp.uint8)  # little endian: the even byte is the low half
+  hi = lax.shift_right_logical(pairs, 8).astype(jnp.uint8)
+  return jnp.stack([lo, hi], axis=-1).reshape(rows.shape[0], width)
+
+
+def _load_byte(ref, rows, valid, col: int, wide: bool) -> jax.Array:
+  """int32 ``[K]``: byte ``col`` of each gathered row (0 where invalid)."""
+  if not wide:
+    return plgpu.load(ref.at[rows, col], mask=valid, other=0).astype(jnp.int32)
+  pair = plgpu.load(ref.at[rows, col // 2], mask=valid, other=0).astype(jnp.int32)
+  return lax.shift_right_logical(pair, 8 * (col % 2)) & 0xFF
+
+
+def _fp8_tile(byte_tile: jax.Array, scale: jax.Array, *, scale_on_p: bool, exact_bf16: bool):
+  """uint8 fp8 bytes ``[K, w]`` with a per-row float32 ``scale[K]`` -> (bf16 tile, col scale).
+
+  ``scale_on_p`` leaves the scale to the kernel (applied to ``[h, K]`` scores and
+  probabilities); otherwise the tile is dequantized here, in bf16 when the scale
+  is a power of two (``exact_bf16``: the product is exact), else in float32.
+  """
+  vals = lax.bitcast_convert_type(byte_tile, FP8)
+  if scale_on_p:
+    return vals.astype(jnp.bfloat16), scale
+  if exact_bf16:
+    return vals.astype(jnp.bfloat16) * scale.astype(jnp.bfloat16)[:, None], None
+  return (vals.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16), None
+
+
+def ds_mla_source(kv_cache: jax.Array, scale_on_p: bool) -> tuple[KVSource, tuple[jax.Array, ...]]:
   """fp8_ds_mla cache ``uint8[nb, bs, 656]`` -> (source, views: bytes, f32 scales, bf16 RoPE)."""
   n = kv_cache.shape[0] * kv_cache.shape[1]
-  views = (kv_cache.reshape(n, DS_MLA_BYTES),
+  byte_view, wide = _byte_view(kv_cache.reshape(n, DS_MLA_BYTES))
+  views = (byte_view,
            lax.bitcast_convert_type(kv_cache.reshape(n, DS_MLA_BYTES // 4, 4), jnp.float32),
            lax.bitcast_convert_type(kv_cache.reshape(n, DS_MLA_BYTES // 2, 2), jnp.bfloat16))
   pieces = tuple((g * DS_MLA_TILE, DS_MLA_TILE) for g in range(DS_MLA_NUM_TILES)) + (
@@ -49,15 +93,16 @@ def ds_mla_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]
     out = []
     for g in range(DS_MLA_NUM_TILES):
       scale = plgpu.load(scale_ref.at[slots, DS_MLA_SCALE_OFFSET // 4 + g], mask=valid, other=0.0)
-      out.append(_dequant_tile(gather_rows(byte_ref, slots, valid, g * DS_MLA_TILE, DS_MLA_TILE),
-                               scale))
-    out.append(gather_rows(rope_ref, slots, valid, DS_MLA_ROPE_OFFSET // 2, ROPE_DIM))
+      out.append(_fp8_tile(
+          _load_bytes(byte_ref, slots, valid, g * DS_MLA_TILE, DS_MLA_TILE, wide), scale,
+          scale_on_p=scale_on_p, exact_bf16=False))
+    out.append((gather_rows(rope_ref, slots, valid, DS_MLA_ROPE_OFFSET // 2, ROPE_DIM), None))
     return out
 
   return KVSource(pieces=pieces, num_slots=n, load=load, num_refs=3), views
 
 
-def model1_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]:
+def model1_source(kv_cache: jax.Array, scale_on_p: bool) -> tuple[KVSource, tuple[jax.Array, ...]]:
   """fp8_model1 cache ``uint8[nb, bs, w]`` -> (source, views: token rows, bf16 RoPE, scale rows).
 
   A block is ``bs * w`` bytes, a multiple of 576: viewed as 576-byte rows, token
@@ -68,10 +113,12 @@ def model1_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]
   block_bytes = bs * width
   flat = kv_cache.reshape(-1)
   data = flat.reshape(-1, MODEL1_DATA_BYTES)
-  views = (data,
+  data_view, wide = _byte_view(data)
+  scale_view, _ = _byte_view(flat.reshape(-1, MODEL1_SCALE_BYTES))
+  views = (data_view,
            lax.bitcast_convert_type(data.reshape(data.shape[0], MODEL1_DATA_BYTES // 2, 2),
                                     jnp.bfloat16),
-           flat.reshape(-1, MODEL1_SCALE_BYTES))
+           scale_view)
   rows_per_block = block_bytes // MODEL1_DATA_BYTES
   scale_rows_per_block = block_bytes // MODEL1_SCALE_BYTES
   scale_row0 = bs * MODEL1_DATA_BYTES // MODEL1_SCALE_BYTES
@@ -85,23 +132,24 @@ def model1_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]
     scale_rows = block * scale_rows_per_block + scale_row0 + offset
     out = []
     for g in range(MODEL1_NUM_TILES):
-      code = plgpu.load(scale_ref.at[scale_rows, g], mask=valid, other=0).astype(jnp.int32)
+      code = _load_byte(scale_ref, scale_rows, valid, g, wide)
       # UE8M0: 2**(code - 127) is the float32 with exponent field `code` (masked rows: 0.0).
       scale = lax.bitcast_convert_type(lax.shift_left(code, 23), jnp.float32)
-      out.append(_dequant_tile(gather_rows(data_ref, rows, valid, g * MODEL1_TILE, MODEL1_TILE),
-                               scale))
-    out.append(gather_rows(rope_ref, rows, valid, MODEL1_NOPE // 2, ROPE_DIM))
+      out.append(_fp8_tile(
+          _load_bytes(data_ref, rows, valid, g * MODEL1_TILE, MODEL1_TILE, wide), scale,
+          scale_on_p=scale_on_p, exact_bf16=True))
+    out.append((gather_rows(rope_ref, rows, valid, MODEL1_NOPE // 2, ROPE_DIM), None))
     return out
 
   return KVSource(pieces=pieces, num_slots=nb * bs, load=load, num_refs=3), views
 
 
-def cache_source(kv_cache: jax.Array, kv_cache_dtype: str):
+def cache_source(kv_cache: jax.Array, kv_cache_dtype: str, scale_on_p: bool = False):
   """(source, views) for a cache in ``"fp8_ds_mla"``, ``"fp8_model1"`` or ``"auto"`` (bf16)."""
   if kv_cache_dtype == "fp8_ds_mla":
-    return ds_mla_source(kv_cache)
+    return ds_mla_source(kv_cache, scale_on_p)
   if kv_cache_dtype == "fp8_model1":
-    return model1_source(kv_cache)
+    return model1_source(kv_cache, scale_on_p)
   nb, bs, d = kv_cache.shape
   return bf16_source(nb * bs, d), (kv_cache.reshape(nb * bs, d),)
 
@@ -113,7 +161,7 @@ def sparse_mla_decode_pallas(q, sets, attn_sink, *, kv_cache_dtype: str, sm_scal
   lengths[T])`` already validated and flattened. Returns ``(out, max_logits, lse)``."""
   kernel_sets = []
   for cache, idx, lengths in sets:
-    src, views = cache_source(cache, kv_cache_dtype)
+    src, views = cache_source(cache, kv_cache_dtype, config.scale_on_p)
     kernel_sets.append((src, idx, lengths, views))
   return run_sparse_mla(q, kernel_sets, attn_sink, sm_scale=sm_scale, d_v=d_v, config=config,
                         interpret=interpret)

@@ -56,10 +56,16 @@ def attend_gathered(q: jax.Array, rows: jax.Array, valid: jax.Array, attn_sink: 
 
 
 def _map_tokens(fn, *xs):
-  """``fn`` over leading-axis chunks of ``xs`` (memory bound for long prefills)."""
-  if xs[0].shape[0] <= _TOKENS_PER_STEP:
+  """``fn`` over leading-axis chunks of ``xs`` (bounds memory for long prefills)."""
+  t = xs[0].shape[0]
+  if t <= _TOKENS_PER_STEP:
     return fn(*xs)
-  return lax.map(lambda a: fn(*a), xs, batch_size=_TOKENS_PER_STEP)
+  n = -(-t // _TOKENS_PER_STEP)
+  pad = n * _TOKENS_PER_STEP - t
+  chunks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+      n, _TOKENS_PER_STEP, *x.shape[1:]) for x in xs]
+  outs = lax.map(lambda c: fn(*c), chunks)
+  return tuple(o.reshape(n * _TOKENS_PER_STEP, *o.shape[2:])[:t] for o in outs)
 
 
 def sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length, *, sm_scale: float,

@@ -1,0 +1,108 @@
+"""Cache writer (``concat_and_cache_mla``): Pallas kernel against the XLA reference.
+
+Memory-bound: the figure is (latent bytes read + cache bytes written) / time,
+against device-to-device copy bandwidth (3.0 TB/s on the H100, BENCHMARKS.md).
+The cache is threaded through one jitted, donated program that applies the
+write once per input set, so the write is in place (as in a serving step) and
+one dispatch is spread over all the sets. `python -m benchmarks.bench_cache`
+also checks the kernel byte for byte against the reference first.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import Row, device_name, n_sets, print_table
+from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
+
+COPY_TBPS = 3.0  # BENCHMARKS.md: device-to-device copy on the H100
+
+
+def _head(fmt: str) -> int:
+  return 512 if fmt == "fp8_model1" else 576
+
+
+def _inputs(rng, fmt, num_tokens, capacity, *, skip=True):
+  nope = _head(fmt) - 64
+  kv_c = jnp.asarray(rng.standard_normal((num_tokens, nope)), jnp.bfloat16)
+  k_pe = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.bfloat16)
+  slots = rng.choice(capacity, size=num_tokens, replace=False).astype(np.int32)
+  if skip:
+    slots[::97] = -1
+    slots[1::89] = capacity + 5
+  return kv_c, k_pe, jnp.asarray(slots)
+
+
+def check(fmt: str, num_tokens: int = 4096, num_blocks: int = 512, block_size: int = 64,
+          seed: int = 0) -> int:
+  """Pallas vs XLA on one random write into a random-byte cache; returns mismatching bytes."""
+  rng = np.random.default_rng(seed)
+  shape = kv_cache_shape(num_blocks, block_size, _head(fmt), fmt)
+  before = rng.integers(0, 256, size=shape, dtype=np.uint8)
+  kv_c, k_pe, slots = _inputs(rng, fmt, num_tokens, num_blocks * block_size)
+  outs = [np.asarray(concat_and_cache_mla(kv_c, k_pe, jnp.asarray(before), slots,
+                                          kv_cache_dtype=fmt, implementation=impl))
+          for impl in ("pallas", "xla")]
+  return int((outs[0] != outs[1]).sum())
+
+
+def _time_chain(fmt, impl, cache, sets, reps=10) -> float:
+  """Median microseconds of one write, the cache threaded through len(sets) writes."""
+
+  def chain(cache, sets):
+    for kv_c, k_pe, slots in sets:
+      cache = concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype=fmt,
+                                   implementation=impl)
+    return cache
+
+  run = jax.jit(chain, donate_argnums=0)
+  for _ in range(2):
+    cache = jax.block_until_ready(run(cache, sets))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    cache = jax.block_until_ready(run(cache, sets))
+    times.append(time.perf_counter() - t0)
+  return 1e6 * float(np.median(times)) / len(sets)
+
+
+CONFIGS = [(fmt, T, nb) for fmt in ("fp8_ds_mla", "fp8_model1")
+           for T, nb in ((128, 4096), (4096, 512), (4096, 4096), (16384, 4096))]
+
+
+def run(configs=CONFIGS) -> list[Row]:
+  rng = np.random.default_rng(0)
+  dev = device_name()
+  rows = []
+  bs = 64
+  for fmt, T, nb in configs:
+    head = _head(fmt)
+    shape = kv_cache_shape(nb, bs, head, fmt)
+    written = int(np.prod(shape[2:])) if fmt == "fp8_ds_mla" else 584
+    moved = T * (2 * head + written)  # bf16 latent in, token bytes out
+    sets = [_inputs(rng, fmt, T, nb * bs, skip=False) for _ in range(n_sets(T * 2 * head))]
+    for impl in ("pallas", "xla"):
+      us = _time_chain(fmt, impl, jnp.zeros(shape, jnp.uint8), sets)
+      rows.append(Row("concat_and_cache_mla", f"{fmt} T {T}, {nb}x{bs} blocks ({impl})", us,
+                      moved / us / 1e6, "TB/s", COPY_TBPS, "D2D copy", dev))
+  return rows
+
+
+def main() -> None:
+  print("device:", device_name())
+  for fmt in ("fp8_ds_mla", "fp8_model1"):
+    for seed in (0, 1):
+      print(f"check {fmt} T 4096 seed {seed}: {check(fmt, seed=seed)} mismatching bytes")
+  rows = []
+  for config in CONFIGS:  # row by row, so a cut-off run still reports
+    rows += run([config])
+    print_table(rows[-2:])
+  print_table(rows)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,464 @@
+"""torch bridge: zero-copy interop, torch-callable ops, FlashMLA drop-ins, library callers."""
+
+import functools
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch_bridge  # noqa: E402
+from jax_mla import cache as jcache  # noqa: E402
+from jax_mla import indexing, merge, mla_decode, paged_attention, sparse_mla  # noqa: E402
+from torch_bridge import _interop, aiter, flashmla, ops, to_jax, to_torch  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.uint8, torch.int8, torch.int16, torch.int32, torch.bool]
+XLA = {"implementation": "xla"}
+
+
+def _sample(dtype, shape=(3, 5), device="cpu"):
+  g = torch.Generator().manual_seed(0)
+  x = torch.randn(shape, generator=g) * 4
+  return x.to(dtype).to(device) if dtype != torch.bool else (x > 0).to(device)
+
+
+def _bytes(t):
+  return t.cpu().contiguous().view(torch.uint8).numpy() if t.dtype.itemsize == 1 \
+      else t.cpu().float().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+
+
+def _jax_bytes(a):
+  a = np.asarray(a)
+  return a.view(np.uint8) if a.dtype.itemsize == 1 else a.astype(np.float32) \
+      if a.dtype == jnp.bfloat16 else a
+
+
+# ----------------------------------------------------------------------------
+# to_jax / to_torch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_zero_copy(dtype):
+  t = _sample(dtype)
+  a = to_jax(t)
+  assert a.dtype == _interop.TORCH_TO_JAX_DTYPE[dtype]
+  assert a.shape == tuple(t.shape)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  back = to_torch(a)
+  assert back.dtype == dtype
+  assert back.data_ptr() == t.data_ptr()
+  np.testing.assert_array_equal(_bytes(back), _bytes(t))
+  # Values as JAX sees them (fp8 through its float32 view).
+  ref = t.float().numpy() if t.dtype.is_floating_point else t.numpy()
+  np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)) if t.dtype.is_floating_point
+                                else np.asarray(a), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_jax_to_torch_shares_memory(dtype):
+  a = to_jax(_sample(dtype, (4, 7)))
+  b = jnp.asarray(a) + 0 if dtype != torch.bool else ~a  # a fresh JAX-owned buffer
+  t = to_torch(b)
+  assert t.data_ptr() == b.unsafe_buffer_pointer()
+  np.testing.assert_array_equal(_bytes(t), _jax_bytes(b))
+
+
+def test_torch_writes_are_visible_to_jax():
+  t = torch.zeros(8, dtype=torch.float32)
+  a = to_jax(t)
+  t[3] = 5.0
+  assert float(np.asarray(a)[3]) == 5.0  # same memory, no copy
+
+
+def test_odd_shapes():
+  assert to_jax(torch.zeros(0, 5)).shape == (0, 5)
+  assert float(to_jax(torch.tensor(2.5))) == 2.5
+  assert to_torch(jnp.float32(1.5)).item() == 1.5
+  # Contiguous tensors with unusual strides on size-1 axes are still shared.
+  w = torch.arange(4.0).as_strided((1, 4), (100, 1))
+  a = to_jax(w)
+  assert a.unsafe_buffer_pointer() == w.data_ptr()
+  np.testing.assert_array_equal(np.asarray(a), w.numpy())
+  # requires_grad is dropped: values cross, autograd does not.
+  g = torch.ones(3, requires_grad=True)
+  np.testing.assert_array_equal(np.asarray(to_jax(g)), np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("make", [lambda: torch.zeros(4, 6).T, lambda: torch.zeros(8)[::2],
+                                  lambda: torch.zeros(4, 6)[:, 1:]],
+                         ids=["transposed", "strided", "column-slice"])
+def test_non_contiguous_is_refused(make):
+  with pytest.raises(ValueError, match="contiguous"):
+    to_jax(make())
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.complex64], ids=str)
+def test_unsupported_dtype_is_refused(dtype):
+  with pytest.raises(TypeError, match="does not carry"):
+    to_jax(torch.zeros(3, dtype=dtype))
+
+
+def test_int64_error_suggests_int32():
+  with pytest.raises(TypeError, match="int32"):
+    to_jax(torch.zeros(3, dtype=torch.int64))
+
+
+def test_wrong_types_are_refused():
+  with pytest.raises(TypeError, match="torch.Tensor"):
+    to_jax(np.zeros(3))
+  with pytest.raises(TypeError, match="jax.Array"):
+    to_torch(torch.zeros(3))
+  with pytest.raises(TypeError, match="does not carry"):
+    to_torch(jnp.zeros(3, jnp.uint32))
+
+
+def test_package_exports():
+  assert torch_bridge.__all__ == ["to_jax", "to_torch"]
+  assert not ops.UNAVAILABLE, ops.UNAVAILABLE
+  for names in ops.OP_MODULES.values():
+    for n in names:
+      assert callable(getattr(ops, n)) and n in ops.__all__
+
+
+# ----------------------------------------------------------------------------
+# torch_bridge.ops against the JAX call
+
+
+def _rng(seed):
+  return np.random.default_rng(seed)
+
+
+def _bf16(x):
+  return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+
+
+def _i32(x):
+  return torch.from_numpy(np.asarray(x, np.int32))
+
+
+def _assert_same(out_t, out_j):
+  out_t = out_t if isinstance(out_t, tuple) else (out_t,)
+  out_j = out_j if isinstance(out_j, tuple) else (out_j,)
+  assert len(out_t) == len(out_j)
+  for t, j in zip(out_t, out_j, strict=True):
+    assert isinstance(t, torch.Tensor)
+    assert _interop.TORCH_TO_JAX_DTYPE[t.dtype] == j.dtype and tuple(t.shape) == j.shape
+    np.testing.assert_array_equal(_bytes(t), _jax_bytes(j))
+
+
+def test_indexing_ops_match_jax():
+  r = _rng(0)
+  block_table = _i32(r.integers(0, 50, (3, 4)))
+  req_id = _i32(r.integers(0, 3, (5,)))
+  tok = _i32(r.integers(-2, 300, (5, 7)))
+  got = ops.convert_req_index_to_global_index(req_id, block_table, tok, block_size=64)
+  ref = indexing.convert_req_index_to_global_index(
+      to_jax(req_id), to_jax(block_table), to_jax(tok), block_size=64)
+  _assert_same(got, ref)
+  seq_lens = _i32([5, 0, 9])
+  got = ops.expand_page_indices(block_table, seq_lens, kernel_block_size=4, capacity=20, **XLA)
+  ref = indexing.expand_page_indices(to_jax(block_table), to_jax(seq_lens), kernel_block_size=4,
+                                     capacity=20, implementation="xla")
+  _assert_same(got, ref)
+
+
+def test_merge_ops_match_jax():
+  r = _rng(1)
+  oa, ob = _bf16(r.normal(size=(3, 2, 8))), _bf16(r.normal(size=(3, 2, 8)))
+  la = torch.from_numpy(r.normal(size=(3, 2)).astype(np.float32))
+  lb = torch.from_numpy(r.normal(size=(3, 2)).astype(np.float32))
+  lb[0, 0] = float("inf")
+  _assert_same(ops.merge_attn_states(oa, la, ob, lb),
+               merge.merge_attn_states(to_jax(oa), to_jax(la), to_jax(ob), to_jax(lb)))
+  _assert_same(ops.lse2_to_lse(la), merge.lse2_to_lse(to_jax(la)))
+
+
+def _ds_mla_cache(seed, num_blocks=3, block_size=8):
+  x = _bf16(_rng(seed).normal(size=(num_blocks, block_size, 576)))
+  return ops.quantize_fp8_ds_mla(x, pow2_scales=True), x
+
+
+def test_cache_ops_match_jax():
+  cache_t, x = _ds_mla_cache(2)
+  _assert_same(cache_t, jcache.quantize_fp8_ds_mla(to_jax(x), pow2_scales=True))
+  _assert_same(ops.dequantize_fp8_ds_mla(cache_t), jcache.dequantize_fp8_ds_mla(to_jax(cache_t)))
+  assert ops.kv_cache_shape(3, 8, 576, "fp8_ds_mla") == (3, 8, 656)
+
+  r = _rng(3)
+  kv_cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+  kv_c, k_pe = _bf16(r.normal(size=(3, 512))), _bf16(r.normal(size=(3, 64)))
+  slots = _i32([5, -1, 0])
+  new = ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots, **XLA)
+  ref = jcache.concat_and_cache_mla(to_jax(kv_c), to_jax(k_pe), to_jax(kv_cache), to_jax(slots),
+                                    implementation="xla")
+  _assert_same(new, ref)
+  assert new.data_ptr() != kv_cache.data_ptr()  # a new cache: JAX cannot write into torch's
+  assert torch.equal(new[1, 1, :512], kv_c[0]) and not kv_cache.any()
+
+
+def test_decode_ops_match_jax():
+  r = _rng(4)
+  b, s_q, h_q, nb, bs = 2, 1, 4, 6, 4
+  q = _bf16(r.normal(size=(b, s_q, h_q, 576)))
+  kv_cache = _bf16(r.normal(size=(nb, bs, 576)))
+  block_table = _i32(r.permutation(nb)[:4].reshape(2, 2))
+  seqlens = _i32([5, 8])
+  got = ops.mla_decode_paged(q, kv_cache, block_table, seqlens, sm_scale=0.1, **XLA)
+  ref = mla_decode.mla_decode_paged(to_jax(q), to_jax(kv_cache), to_jax(block_table),
+                                    to_jax(seqlens), sm_scale=0.1, implementation="xla")
+  _assert_same(got, ref)
+  # Another static value compiles another executable (and gives another result).
+  other = ops.mla_decode_paged(q, kv_cache, block_table, seqlens, sm_scale=0.2, **XLA)
+  assert not torch.equal(other[0], got[0])
+
+
+def test_sparse_ops_and_flashmla_drop_ins_match_jax():
+  r = _rng(5)
+  cache_t, _ = _ds_mla_cache(6, num_blocks=4, block_size=8)
+  b, s_q, h_q, topk = 2, 2, 3, 5
+  q = _bf16(r.normal(size=(b, s_q, h_q, 576)))
+  idx = _i32(r.integers(-1, 32, (b, s_q, topk)))
+  sink = torch.tensor([0.5, -np.inf, 1.0], dtype=torch.float32)
+  got = ops.sparse_mla_decode(q, cache_t, idx, sm_scale=0.05, attn_sink=sink, **XLA)
+  ref = sparse_mla.sparse_mla_decode(to_jax(q), to_jax(cache_t), to_jax(idx), sm_scale=0.05,
+                                     attn_sink=to_jax(sink), implementation="xla")
+  _assert_same(got, ref)
+  # FlashMLA's drop-in on FlashMLA's cache view [nb, bs, 1, 656] (fp8 dtype, as its tests).
+  meta, none = ops.get_mla_metadata()
+  assert none is None
+  drop = ops.flash_mla_with_kvcache(q, cache_t.view(torch.float8_e4m3fn).unsqueeze(2), None,
+                                    None, 512, meta, None, softmax_scale=0.05,
+                                    is_fp8_kvcache=True, indices=idx, attn_sink=sink)
+  _assert_same(drop, ref)
+  with pytest.raises(ValueError, match="differ from the first call"):
+    ops.flash_mla_with_kvcache(q[:1], cache_t.unsqueeze(2), None, None, 512, meta,
+                               is_fp8_kvcache=True, indices=idx[:1])
+
+  # Sparse prefill: FlashMLA's [s_kv, 1, d] / [s_q, 1, topk] shapes.
+  s_q, s_kv = 4, 10
+  qp = _bf16(r.normal(size=(s_q, h_q, 576)))
+  kv = _bf16(r.normal(size=(s_kv, 1, 576)))
+  ip = _i32(r.integers(-1, s_kv + 2, (s_q, 1, topk)))
+  tl = _i32([5, 2, 0, 3])
+  ref = sparse_mla.sparse_mla_prefill(to_jax(qp), to_jax(kv), to_jax(ip), sm_scale=0.07,
+                                      topk_length=to_jax(tl), implementation="xla")
+  _assert_same(ops.flash_mla_sparse_fwd(qp, kv, ip, 0.07, topk_length=tl), ref)
+
+
+def test_flashmla_dense_drop_in_matches_jax():
+  r = _rng(7)
+  q = _bf16(r.normal(size=(2, 1, 4, 576)))
+  k_cache = _bf16(r.normal(size=(5, 4, 1, 576)))
+  bt, sl = _i32([[4, 0], [2, 3]]), _i32([7, 3])
+  meta, _ = ops.get_mla_metadata(sl, 4, 1)
+  out, lse = ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, meta, causal=False)
+  ref = mla_decode.mla_decode_paged(to_jax(q), to_jax(k_cache.squeeze(2)), to_jax(bt),
+                                    to_jax(sl), sm_scale=576 ** -0.5)
+  _assert_same((out, lse), ref)
+  with pytest.raises(ValueError, match="need sparse attention"):
+    ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, ops.get_mla_metadata()[0],
+                               topk_length=sl)
+  with pytest.raises(ValueError, match="num_splits"):
+    ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, meta, sl)
+
+
+def test_model1_flashmla_view_round_trips():
+  bs, nb = 64, 2
+  width = jcache.kv_cache_shape(nb, bs, 512, "fp8_model1")[2]
+  ours = torch.from_numpy(_rng(8).integers(0, 255, (nb, bs, width), dtype=np.uint8))
+  # FlashMLA's view: [nb, bs, 1, 584], block stride = padded block bytes.
+  view = ours.as_strided((nb, bs, 1, 584), (bs * width, 584, 584, 1))
+  back = ops._as_cache(view.view(torch.float8_e4m3fn), "k_cache", "fp8_model1")
+  assert back.data_ptr() == ours.data_ptr() and torch.equal(back, ours)
+  with pytest.raises(ValueError, match="padded blocks"):
+    ops._as_cache(ours[:, :, :584].unsqueeze(2), "k_cache", "fp8_model1")
+
+
+def test_other_ops_match_jax():
+  r = _rng(9)
+  # paged attention, 4-D caches.
+  q = _bf16(r.normal(size=(2, 4, 16)))
+  kc, vc = _bf16(r.normal(size=(3, 2, 4, 16))), _bf16(r.normal(size=(3, 2, 4, 16)))
+  bt, sl = _i32([[0, 2], [1, 0]]), _i32([6, 3])
+  _assert_same(ops.paged_attention(q, kc, vc, bt, sl, scale=0.25, **XLA),
+               paged_attention.paged_attention(to_jax(q), to_jax(kc), to_jax(vc), to_jax(bt),
+                                               to_jax(sl), scale=0.25, implementation="xla"))
+  # AITER-convention dense decode over a page_size-1 flat cache.
+  qd = _bf16(r.normal(size=(2, 4, 576)))
+  flat = _bf16(r.normal(size=(9, 1, 576)))
+  args = (qd, flat, _i32([0, 1, 2]), _i32([0, 3, 7]), _i32([4, 0, 8, 1, 2, 3, 5]), _i32([1, 1]))
+  _assert_same(ops.mla_decode(*args, max_seqlen_q=1, **XLA),
+               mla_decode.mla_decode(*map(to_jax, args), max_seqlen_q=1, implementation="xla"))
+
+
+def test_op_argument_errors():
+  x = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
+  lse = torch.zeros(3, 2)
+  with pytest.raises(ValueError, match="out_b must be contiguous"):
+    ops.merge_attn_states(x, lse, x.transpose(0, 1).contiguous().transpose(0, 1), lse)
+  with pytest.raises(TypeError, match="does not carry"):
+    ops.merge_attn_states(x, lse.double(), x, lse)
+  with pytest.raises(TypeError, match="hashable"):
+    ops.expand_page_indices(_i32([[0]]), _i32([1]), kernel_block_size=1, capacity=np.int32([4]))
+
+
+# ----------------------------------------------------------------------------
+# FlashMLA / AITER callers: clear errors without the library or the device.
+
+
+def test_flashmla_missing_library(monkeypatch):
+  monkeypatch.setitem(sys.modules, "flash_mla", None)
+  q = jnp.zeros((1, 1, 64, 576), jnp.bfloat16)
+  with pytest.raises(ImportError, match="FlashMLA is not installed.*FlashMLA"):
+    flashmla.sparse_mla_decode(q, jnp.zeros((1, 64, 656), jnp.uint8),
+                               jnp.zeros((1, 1, 64), jnp.int32))
+  with pytest.raises(ImportError, match="FlashMLA is not installed"):
+    flashmla.mla_decode_paged(q, jnp.zeros((1, 64, 576), jnp.bfloat16),
+                              jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+
+
+def test_flashmla_needs_a_cuda_device(monkeypatch):
+  monkeypatch.setitem(sys.modules, "flash_mla", types.ModuleType("flash_mla"))
+  cpu = jax.devices("cpu")[0]
+  q = jax.device_put(jnp.zeros((1, 1, 64, 576), jnp.bfloat16), cpu)
+  with pytest.raises(RuntimeError, match="FlashMLA runs on CUDA GPUs; q is on"):
+    flashmla.sparse_mla_decode(q, jax.device_put(jnp.zeros((1, 64, 656), jnp.uint8), cpu),
+                               jax.device_put(jnp.zeros((1, 1, 64), jnp.int32), cpu))
+  with pytest.raises(ValueError, match="fp8"):
+    flashmla.sparse_mla_decode(q, q, q, kv_cache_dtype="auto")
+
+
+def test_aiter_missing_library_or_device(monkeypatch):
+  args = (jnp.zeros((1, 16, 576), jnp.bfloat16), jnp.zeros((4, 1, 576), jnp.bfloat16),
+          jnp.array([0, 1], jnp.int32), jnp.array([0, 4], jnp.int32),
+          jnp.arange(4, dtype=jnp.int32), jnp.ones((1,), jnp.int32))
+  monkeypatch.setitem(sys.modules, "aiter", None)
+  monkeypatch.setitem(sys.modules, "aiter.mla", None)
+  with pytest.raises(ImportError, match="AITER is not installed"):
+    aiter.mla_decode(*args, max_seqlen_q=1)
+  monkeypatch.setitem(sys.modules, "aiter.mla", types.ModuleType("aiter.mla"))
+  cpu = jax.devices("cpu")[0]
+  with pytest.raises(RuntimeError, match="AITER runs on ROCM GPUs"):
+    aiter.mla_decode(*(jax.device_put(a, cpu) for a in args), max_seqlen_q=1)
+
+
+# ----------------------------------------------------------------------------
+# GPU: zero-copy on CUDA and stream ordering both ways.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_round_trip_is_zero_copy(dtype):
+  t = _sample(dtype, (64, 33), device="cuda")
+  a = to_jax(t)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  assert next(iter(a.sharding.device_set)).platform == "gpu"
+  back = to_torch(a)
+  assert back.data_ptr() == t.data_ptr() and back.device == t.device
+  np.testing.assert_array_equal(_bytes(back), _bytes(t))
+
+
+def _long_torch_work(n=2048, iters=300):
+  """Queues ~100 ms of matmuls on torch's current stream; returns its last result."""
+  w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n ** 0.5
+  x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+  for _ in range(iters):
+    x = torch.tanh(x @ w)
+  return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["to_jax", "ops"])
+def test_torch_to_jax_waits_for_torch_stream(path):
+  side = torch.cuda.Stream()
+  with torch.cuda.stream(side):  # a non-default torch stream, as in serving engines
+    t = torch.zeros(1 << 20, device="cuda", dtype=torch.float32)
+    torch.cuda.synchronize()
+    busy = _long_torch_work()
+    t.copy_(busy.float().flatten()[: t.numel()].abs() * 0 + 1)  # ones, after the matmuls
+    if path == "to_jax":
+      total = float(jnp.sum(to_jax(t)))
+    else:
+      total = float(ops.lse2_to_lse(t).sum().item() / np.log(2.0))
+  assert total == pytest.approx(t.numel(), rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_jax_to_torch_waits_for_jax_stream():
+  n = 1 << 20
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def slow_fill(w, x):
+    y = jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ w), w)
+    return x + 1.0 + 0.0 * y[0, 0].astype(jnp.float32)
+
+  w = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.bfloat16) / 45.0
+  slow_fill(w, jnp.zeros((n,), jnp.float32)).block_until_ready()  # compile
+  for _ in range(3):
+    # The output reuses the donated zeros, so a read before the loop ends sees 0s.
+    x = jnp.zeros((n,), jnp.float32).block_until_ready()
+    t = to_torch(slow_fill(w, x))  # the JAX loop is still running here
+    assert t.sum().item() == n  # torch's stream waited for it on the GPU
+
+
+# ----------------------------------------------------------------------------
+# GPU with FlashMLA installed: FlashMLA's kernels against jax_mla on the same arguments.
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["xla", None])
+def test_flashmla_sparse_decode_matches_jax_mla(impl):
+  pytest.importorskip("flash_mla")
+  k = jax.random.split(jax.random.key(1), 4)
+  b, s_q, h_q, topk, nb, bs = 4, 2, 64, 256, 64, 64
+  cache = jcache.quantize_fp8_ds_mla(
+      jax.random.normal(k[0], (nb, bs, 576), jnp.bfloat16), pow2_scales=True)
+  q = jax.random.normal(k[1], (b, s_q, h_q, 576), jnp.bfloat16)
+  idx = jax.random.randint(k[2], (b, s_q, topk), -1, nb * bs, jnp.int32)
+  idx = idx.at[1, 0].set(-1)  # a query with no valid key
+  sink = jax.random.normal(k[3], (h_q,), jnp.float32)
+  tl = jnp.array([topk, 100, 7, 1], jnp.int32)
+  kw = {"sm_scale": 576 ** -0.5, "attn_sink": sink, "topk_length": tl}
+  out, lse = flashmla.sparse_mla_decode(q, cache, idx, **kw)
+  ref, ref_lse = sparse_mla.sparse_mla_decode(q, cache, idx, implementation=impl, **kw)
+  assert out.shape == ref.shape and lse.shape == ref_lse.shape
+  print(f"flashmla vs jax_mla sparse decode ({impl}): out rel {_rel(out, ref):.2e}")
+  assert _rel(out, ref) < 1e-2
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_flashmla_dense_decode_and_sparse_prefill_match_jax_mla():
+  pytest.importorskip("flash_mla")
+  k = jax.random.split(jax.random.key(2), 6)
+  b, s_q, h_q, nb, bs = 3, 1, 64, 24, 64
+  q = jax.random.normal(k[0], (b, s_q, h_q, 576), jnp.bfloat16)
+  kv = jax.random.normal(k[1], (nb, bs, 576), jnp.bfloat16)
+  bt = jax.random.permutation(k[2], nb).astype(jnp.int32).reshape(b, nb // b)
+  sl = jnp.array([1, 300, 512], jnp.int32)
+  out, lse = flashmla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
+  ref, ref_lse = mla_decode.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
+  print(f"flashmla vs jax_mla dense decode: out rel {_rel(out, ref):.2e}")
+  assert _rel(out, ref) < 1e-2
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
+
+  s_q, s_kv, topk = 64, 2048, 128
+  qp = jax.random.normal(k[3], (s_q, h_q, 576), jnp.bfloat16)
+  kvp = jax.random.normal(k[4], (s_kv, 1, 576), jnp.bfloat16)
+  ip = jax.random.randint(k[5], (s_q, 1, topk), -1, s_kv, jnp.int32)
+  got = flashmla.sparse_mla_prefill(qp, kvp, ip, sm_scale=0.05)
+  want = sparse_mla.sparse_mla_prefill(qp, kvp, ip, sm_scale=0.05)
+  print(f"flashmla vs jax_mla sparse prefill: out rel {_rel(got[0], want[0]):.2e}")
+  assert _rel(got[0], want[0]) < 1e-2
+  for g, w in zip(got[1:], want[1:], strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-3)
