@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.cache.formats import (kv_cache_shape, quantize_fp8_ds_mla,
-                                   quantize_fp8_model1_cache)
+from jax_mla.cache.formats import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
@@ -118,7 +117,7 @@ def check(results):
     b, s_q, h_q, topk = 8, 2, 128, 512 if extra else 2048
     nb = 8 * 4096 // bs
 
-    def make_cache(kk, nblocks, bsz, slots):
+    def make_cache(kk, nblocks, bsz, slots, dt=dt, d_qk=d_qk):
       x = (jax.random.normal(kk, (nblocks, bsz, d_qk)) / 3).astype(jnp.bfloat16)
       x = _poison_unused(x, slots)
       if dt == "fp8_ds_mla":
@@ -240,7 +239,8 @@ def _dump_kernels(folder):
   def wrapped(*args, **kwargs):
     res = compile_fn(*args, **kwargs)
     count[0] += 1
-    path = os.path.join(folder, f"k{count[0]}_w{kwargs.get('num_warps')}_s{kwargs.get('num_stages')}.ptx")
+    path = os.path.join(
+        folder, f"k{count[0]}_w{kwargs.get('num_warps')}_s{kwargs.get('num_stages')}.ptx")
     with open(path, "w") as f:
       f.write(res.asm)
     info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", "/dev/null"],

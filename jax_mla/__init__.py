@@ -1,9 +1,39 @@
 """jax-mla: MLA, sparse MLA and paged attention for JAX on GPUs.
 
 Every op has a pure jax.numpy reference (``implementation="xla"``) and a Pallas
-kernel (``implementation="pallas"``); ``None`` picks Pallas on GPU.
+kernel (``implementation="pallas"``); ``None`` picks Pallas on GPU. Layer-level
+backends live in :mod:`jax_mla.backends`, ``shard_map`` wrappers in
+:mod:`jax_mla.sharding`.
 """
 
-from jax_mla._common import FP8_E4M3_MAX, resolve_implementation
+from jax_mla._common import FP8_E4M3_MAX
+from jax_mla.cache import (
+    concat_and_cache_mla,
+    dequantize_fp8_ds_mla,
+    dequantize_fp8_model1,
+    kv_cache_shape,
+    quantize_fp8_ds_mla,
+    quantize_fp8_model1,
+)
+from jax_mla.indexing import (
+    convert_req_index_to_global_index,
+    expand_page_indices,
+    filter_prefill_indices,
+    req_id_per_token,
+)
+from jax_mla.merge import lse2_to_lse, merge_attn_states
+from jax_mla.mla_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
+from jax_mla.mla_prefill import mla_prefill
+from jax_mla.paged_attention import paged_attention
+from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
-__all__ = ["FP8_E4M3_MAX", "resolve_implementation"]
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8_E4M3_MAX", "concat_and_cache_mla", "convert_req_index_to_global_index",
+    "dequantize_fp8_ds_mla", "dequantize_fp8_model1", "expand_page_indices",
+    "filter_prefill_indices", "kv_cache_shape", "lse2_to_lse", "merge_attn_states", "mla_decode",
+    "mla_decode_paged", "mla_prefill", "mla_ragged_paged_attention", "paged_attention",
+    "quantize_fp8_ds_mla", "quantize_fp8_model1", "req_id_per_token", "sparse_mla_decode",
+    "sparse_mla_prefill",
+]

@@ -3,10 +3,13 @@
 One wrapper, :func:`shard_attention`, runs any registered op (or layer-level
 backend forward) under ``shard_map`` on a user's :class:`jax.sharding.Mesh`; each
 op contributes only an :class:`OpSharding` table saying which of its arguments
-and outputs carry query heads or requests, on which axis. No collective is
-ever issued: attention needs none in either layout below (every device owns
-complete softmax rows), so the wrapped op compiles to the same kernel per
-device and XLA adds nothing but the layout. Two layouts, composable on a 2-D mesh:
+and outputs carry query heads or requests, on which axis. Inside the
+``shard_map`` no collective is issued: attention needs none in either layout
+below (every device owns complete softmax rows), so each device runs the
+one-device op (Pallas kernel or jax.numpy reference) on its shard. Only head
+padding, when a head count does not divide, adds XLA ops around it (and any
+resharding of inputs not already placed as the specs say). Two layouts,
+composable on a 2-D mesh:
 
 Head-parallel (tensor parallel, :func:`head_parallel`)
   Query heads split across the ``head_axis`` devices; the MLA latent cache (one
@@ -84,7 +87,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jax_mla.backends import aiter_mla, deepseek_v4
+from jax_mla.backends import aiter_mla, deepseek_v4, flashmla_sparse
 from jax_mla.mla_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
 from jax_mla.mla_prefill import mla_prefill
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
@@ -154,7 +157,7 @@ def _aiter_local_heads(h: int) -> int:
 _SPARSE_DECODE_REQUESTS = dict(q=0, kv_cache=0, indices=0, topk_length=0, extra_kv_cache=0,
                                extra_indices=0, extra_topk_length=0)
 _AITER = dict(num_heads=_config_heads, local_heads=_aiter_local_heads,
-              set_heads=_set_config_heads, shared=("kv_b_proj", "k_scale", "q_scale", "kv_scale"))
+              set_heads=_set_config_heads)
 _V4 = dict(heads=dict(q=1, attn_sink=0), num_heads=_config_heads, set_heads=_set_config_heads,
            shared=("attn_sink",))
 
@@ -181,9 +184,15 @@ _SPECS: dict[Callable, OpSharding] = {
         heads=dict(q=1, k=1, v=1), head_outs=lambda a: (1, 0) if a["return_lse"] else 1,
         num_heads=_shape_of("q", 1)),
     aiter_mla.aiter_mla_forward: OpSharding(
-        heads=dict(q=1, kv_b_proj=1), head_outs=(1, None), **_AITER),
-    aiter_mla.forward_mqa: OpSharding(heads=dict(q=1), head_outs=(1, 1), **_AITER),
-    aiter_mla.forward_mha: OpSharding(heads=dict(q=1, kv_b_proj=1), head_outs=1, **_AITER),
+        heads=dict(q=1, kv_b_proj=1), head_outs=(1, None),
+        shared=("kv_b_proj", "k_scale", "q_scale"), **_AITER),
+    aiter_mla.forward_mqa: OpSharding(heads=dict(q=1), head_outs=(1, 1),
+                                      shared=("q_scale", "kv_scale"), **_AITER),
+    aiter_mla.forward_mha: OpSharding(heads=dict(q=1, kv_b_proj=1), head_outs=1,
+                                      shared=("kv_b_proj", "k_scale"), **_AITER),
+    flashmla_sparse.flashmla_sparse_forward: OpSharding(
+        heads=dict(q=1, w_uk_t=0, w_uv=0), head_outs=(1, None), num_heads=_config_heads,
+        set_heads=_set_config_heads, shared=("w_uk_t", "w_uv", "k_scale")),
     deepseek_v4.deepseek_v4_sparse_forward: OpSharding(head_outs=(1, None), **_V4),
     deepseek_v4.deepseek_v4_sparse_decode: OpSharding(head_outs=1, **_V4),
     deepseek_v4.deepseek_v4_sparse_prefill: OpSharding(head_outs=1, **_V4),
@@ -301,6 +310,11 @@ def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = No
         "partition: use request_layout='stacked' (per-device calls stacked on a leading axis)")
   n_head, n_req = _axis_size(mesh, head_axis), _axis_size(mesh, request_axis)
   sig = inspect.signature(op)
+  named = {*spec.heads, *(spec.requests or {}), *spec.rebase, *spec.shared,
+           *(t for t, _ in spec.rebase.values())}
+  if named - set(sig.parameters):
+    raise ValueError(f"the OpSharding of {getattr(op, '__name__', op)} names arguments "
+                     f"{sorted(named - set(sig.parameters))} that the op does not take")
 
   def wrapped(*args, **kwargs):
     bound = sig.bind(*args, **kwargs)

@@ -337,8 +337,10 @@ def test_layer_mtp_decodes_without_sink_xla():
   inputs, meta_args, counts, ref = _make_case(7, cfg, reqs, decode_threshold=2,
                                               with_sink=False)
   assert counts == (3, 1, 5, 6)
-  out, _ = _run(cfg, inputs, meta_args, counts, implementation="xla")
+  out, md = _run(cfg, inputs, meta_args, counts, implementation="xla")
+  assert md.prefill_chunk_capacity == md.num_prefill_tokens  # one chunk spans every row
   assert rel_err(out, ref) < 1e-2
+  np.testing.assert_array_equal(out[-1], 0)  # the padding token
 
 
 def test_metadata_builds_under_jit():

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mla._common import FP8_E4M3_MAX, Implementation, cdiv
+from jax_mla._pytree import pytree_dataclass, static_field
 from jax_mla.cache import concat_and_cache_mla
 from jax_mla.indexing import expand_page_indices
 from jax_mla.merge import merge_attn_states
@@ -84,20 +84,7 @@ def get_mla_unpadded_o(num_heads: int, o: jax.Array) -> jax.Array:
 # --- metadata ---------------------------------------------------------------------------------
 
 
-def _static(default: Any = dataclasses.MISSING):
-  return dataclasses.field(default=default, metadata={"static": True})
-
-
-def _pytree_dataclass(cls):
-  """Frozen dataclass registered as a pytree; ``_static()`` fields are treedef metadata."""
-  cls = dataclasses.dataclass(frozen=True)(cls)
-  fields = dataclasses.fields(cls)
-  return jax.tree_util.register_dataclass(
-      cls, data_fields=[f.name for f in fields if not f.metadata.get("static")],
-      meta_fields=[f.name for f in fields if f.metadata.get("static")])
-
-
-@_pytree_dataclass
+@pytree_dataclass
 class AiterMLADecodeMetadata:
   """Decode requests (the first ``num_decodes``) in AITER's page-size-1 layout."""
   block_table: jax.Array             # i32[num_decodes, max_blocks]
@@ -106,10 +93,10 @@ class AiterMLADecodeMetadata:
   paged_kv_indices: jax.Array        # i32[capacity]: flat slot block*K + offset, tail -1
   paged_kv_last_page_len: jax.Array  # i32[num_decodes], all ones (page size 1)
   qo_indptr: jax.Array               # i32[num_decodes + 1], query offsets
-  max_qo_len: int = _static(1)
+  max_qo_len: int = static_field(1)
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class ChunkedContextMetadata:
   """Cached context of prefill requests, processed ``num_chunks`` chunks at a time.
 
@@ -121,33 +108,33 @@ class ChunkedContextMetadata:
   starts: jax.Array                # i32[num_chunks, num_prefills]
   seq_lens: jax.Array              # i32[num_chunks, num_prefills]
   slots: tuple[jax.Array, ...]     # num_chunks x i32[seq_tot[i]]
-  seq_tot: tuple[int, ...] = _static(())
-  max_seq_lens: tuple[int, ...] = _static(())
+  seq_tot: tuple[int, ...] = static_field(())
+  max_seq_lens: tuple[int, ...] = static_field(())
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class MLACommonPrefillMetadata:
   """Prefill requests (after the decodes); ``query_start_loc`` rebased to 0."""
   block_table: jax.Array           # i32[num_prefills, max_blocks]
   query_start_loc: jax.Array       # i32[num_prefills + 1]
   chunked_context: ChunkedContextMetadata | None = None
-  max_query_len: int = _static(0)
+  max_query_len: int = static_field(0)
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class AiterMLAMetadata:
   """Per-step metadata shared by every MLA layer (vLLM ``AiterMLAMetadata``)."""
   query_start_loc: jax.Array       # i32[num_reqs + 1]
   slot_mapping: jax.Array          # i32[num_tokens], < 0: not written
   decode: AiterMLADecodeMetadata | None = None
   prefill: MLACommonPrefillMetadata | None = None
-  num_reqs: int = _static(0)
-  max_query_len: int = _static(0)
-  max_seq_len: int = _static(0)
-  num_actual_tokens: int = _static(0)
-  num_decodes: int = _static(0)
-  num_decode_tokens: int = _static(0)
-  num_prefills: int = _static(0)
+  num_reqs: int = static_field(0)
+  max_query_len: int = static_field(0)
+  max_seq_len: int = static_field(0)
+  num_actual_tokens: int = static_field(0)
+  num_decodes: int = static_field(0)
+  num_decode_tokens: int = static_field(0)
+  num_prefills: int = static_field(0)
 
 
 def determine_chunked_prefill_workspace_size(max_model_len: int, max_num_seqs: int,

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mla import _common as c
+from jax_mla._pytree import pytree_dataclass, static_field
 from jax_mla.backends import deepseek_v4_indices as idx
 from jax_mla.cache import concat_and_cache_mla
 from jax_mla.indexing import req_id_per_token
@@ -120,18 +120,7 @@ class DeepseekV4Config:
     return {1: 0, 4: self.index_topk, 128: self.max_compressed}[self.compress_ratio]
 
 
-_DATA_FIELDS = (
-    "query_start_loc", "seq_lens", "positions", "token_to_req_indices", "is_valid_token",
-    "slot_mapping", "swa_block_table", "block_table", "decode_swa_indices", "decode_swa_lens",
-    "prefill_seq_lens", "prefill_gather_lens", "c128a_global_decode_topk_indices",
-    "c128a_decode_topk_lens", "c128a_prefill_topk_indices")
-_META_FIELDS = ("num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens",
-                "prefill_chunk_capacity")
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_DATA_FIELDS),
-                   meta_fields=list(_META_FIELDS))
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class DeepseekV4Metadata:
   """Per-step metadata of the DeepSeek V4 path (a pytree; counts are static fields).
 
@@ -165,11 +154,11 @@ class DeepseekV4Metadata:
   c128a_global_decode_topk_indices: jax.Array | None
   c128a_decode_topk_lens: jax.Array | None
   c128a_prefill_topk_indices: jax.Array | None
-  num_decodes: int
-  num_prefills: int
-  num_decode_tokens: int
-  num_prefill_tokens: int
-  prefill_chunk_capacity: int
+  num_decodes: int = static_field()
+  num_prefills: int = static_field()
+  num_decode_tokens: int = static_field()
+  num_prefill_tokens: int = static_field()
+  prefill_chunk_capacity: int = static_field()
 
 
 def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1
@@ -378,9 +367,8 @@ def deepseek_v4_sparse_prefill(
   """
   tp, cap = metadata.num_prefill_tokens, metadata.prefill_chunk_capacity
   _check_layer_args(config, q, swa_cache, compressed_cache, attn_sink, topk_indices, tp)
-  out = jnp.zeros(q.shape, jnp.bfloat16)
   if tp == 0 or metadata.num_prefills == 0:
-    return out
+    return jnp.zeros(q.shape, jnp.bfloat16)
   ratio, n, topk, w = config.compress_ratio, config.max_compressed, config.topk, config.window_size
   m = n + w - 1 + cap
   if ratio == 128:
@@ -391,6 +379,7 @@ def deepseek_v4_sparse_prefill(
   # prefill-relative token numbering
   qsl = metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]
   swa_bt = metadata.swa_block_table[nd:]
+  out = None
   for chunk_start in range(0, metadata.num_prefills, config.prefill_chunk_size):
     chunk_end = min(chunk_start + config.prefill_chunk_size, metadata.num_prefills)
     cs = chunk_end - chunk_start
@@ -408,7 +397,7 @@ def deepseek_v4_sparse_prefill(
     # The chunk's queries are a dynamic row range of at most `cap` rows: take a
     # static `cap`-row window that contains it (clamped inside the array).
     first, last = qsl[chunk_start], qsl[chunk_end]
-    start = jnp.clip(first, 0, tp - cap)
+    start = 0 if cap == tp else jnp.clip(first, 0, tp - cap)
     q_c = jax.lax.dynamic_slice_in_dim(q, start, cap)
     topk_c = jax.lax.dynamic_slice_in_dim(topk_indices, start, cap)
     indices, lens = idx.combine_topk_swa_indices(
@@ -418,6 +407,12 @@ def deepseek_v4_sparse_prefill(
         q_c, kv.reshape(cs * m, config.head_dim), indices, sm_scale=config.sm_scale,
         d_v=config.head_dim, attn_sink=attn_sink, topk_length=lens,
         implementation=implementation, interpret=interpret)
+    # Rows outside the chunk got no key, hence out_c = 0 there: a chunk that
+    # spans the whole array is the output as it stands (no extra pass).
+    if out is None and cap == tp:
+      out = out_c
+      continue
+    out = jnp.zeros(q.shape, jnp.bfloat16) if out is None else out
     row = start + jnp.arange(cap)
     mine = ((row >= first) & (row < last))[:, None, None]
     old = jax.lax.dynamic_slice_in_dim(out, start, cap)
@@ -481,17 +476,8 @@ def deepseek_v4_sparse_forward(
   return jnp.concatenate([out_d, out_p], axis=0), swa_cache
 
 
-# The backend's entry points under one name (a namespace of functions, nothing to subclass).
-DeepseekV4Sparse = types.SimpleNamespace(
-    Config=DeepseekV4Config, Metadata=DeepseekV4Metadata,
-    split_decodes_and_prefills=split_decodes_and_prefills,
-    build_metadata=build_deepseek_v4_metadata, write_swa_cache=deepseek_v4_write_swa_cache,
-    forward=deepseek_v4_sparse_forward, forward_decode=deepseek_v4_sparse_decode,
-    forward_prefill=deepseek_v4_sparse_prefill)
-
-
 __all__ = [
-    "DeepseekV4Config", "DeepseekV4Metadata", "DeepseekV4Sparse", "build_deepseek_v4_metadata",
+    "DeepseekV4Config", "DeepseekV4Metadata", "build_deepseek_v4_metadata",
     "deepseek_v4_sparse_decode", "deepseek_v4_sparse_forward", "deepseek_v4_sparse_prefill",
     "deepseek_v4_write_swa_cache", "split_decodes_and_prefills",
 ]

@@ -30,7 +30,6 @@ _Q_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 _KV_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 # The kernel addresses the cache with int32 element offsets.
 _MAX_CACHE_ELEMS = 2**31 - 1
-_BLOCK_N = 64
 
 
 def _check_cache(name, kv_cache):
@@ -51,17 +50,17 @@ def _check_num_splits(num_kv_splits):
 def _run_kernel(q2d, kv_cache, meta, page_ids, scales, *, h_q, rows_per_group, causal,
                 num_kv_splits, avg_kv_len, out_dtype, interpret):
   block_m = kern.default_block_m(rows_per_group)
+  block_n, num_warps, num_stages = kern.default_config(block_m)
   num_mtiles = cdiv(rows_per_group, block_m)
   if num_kv_splits is None:
     num_kv_splits = kern.default_num_splits(meta.shape[1] * num_mtiles, avg_kv_len,
-                                            block_n=_BLOCK_N)
+                                            block_m=block_m, block_n=block_n)
   page_size = kv_cache.shape[1]
   return kern.paged_mla_decode(
       q2d, kv_cache.reshape(-1, D_QK), meta, page_ids, scales, h_q=h_q,
       rows_per_group=rows_per_group, page_size=page_size, causal=causal,
-      num_splits=num_kv_splits, block_m=block_m, block_n=_BLOCK_N,
-      num_warps=8 if block_m >= 64 else 4, num_stages=2, out_dtype=out_dtype,
-      interpret=interpret)
+      num_splits=num_kv_splits, block_m=block_m, block_n=block_n, num_warps=num_warps,
+      num_stages=num_stages, out_dtype=out_dtype, interpret=interpret)
 
 
 @functools.partial(

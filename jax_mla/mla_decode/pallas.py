@@ -163,13 +163,28 @@ def num_sms() -> int:
     return 132
 
 
-def default_num_splits(num_programs: int, avg_kv_len: float, *, block_n: int) -> int:
-  """Splits so that groups x row tiles x splits fill the GPU about twice over.
+def default_config(block_m: int) -> tuple[int, int, int]:
+  """``(block_n, num_warps, num_stages)`` for a row tile.
 
-  Each split keeps at least 4 key blocks (the combine costs a pass over
-  float32 partials); at most 64 splits.
+  64-row tiles keep a 64x512 float32 accumulator (8 warps) and the 64x576 query
+  in shared memory, so their key blocks are 32 rows to stay under the H100's
+  227 KiB; small tiles stream 64-key blocks.
   """
-  want = pl.cdiv(2 * num_sms(), max(num_programs, 1))
+  if block_m >= 64:
+    return 32, 8, 2
+  return 64, 4, 2
+
+
+def default_num_splits(num_programs: int, avg_kv_len: float, *, block_m: int,
+                       block_n: int) -> int:
+  """Splits so that groups x row tiles x splits fill the GPU.
+
+  Compute-bound 64-row tiles (one per SM) aim at one wave; small memory-bound
+  tiles at two, to keep more loads in flight. Each split keeps at least 4 key
+  blocks (the combine costs a pass over float32 partials); at most 64 splits.
+  """
+  target = num_sms() * (1 if block_m >= 64 else 2)
+  want = pl.cdiv(target, max(num_programs, 1))
   cap = max(1, int(avg_kv_len) // (4 * block_n))
   return int(max(1, min(want, cap, 64)))
 

@@ -7,13 +7,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla._common import (Implementation, check_dtype, check_int32, check_one_of, check_rank,
-                             check_shape, resolve_implementation)
+from jax_mla._common import (
+  Implementation,
+  check_dtype,
+  check_int32,
+  check_one_of,
+  check_rank,
+  check_shape,
+  resolve_implementation,
+)
 from jax_mla.cache.formats import check_cache, latent_size
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
-from jax_mla.sparse_mla.reference import (sparse_mla_decode_reference,
-                                          sparse_mla_prefill_reference)
+from jax_mla.sparse_mla.reference import sparse_mla_decode_reference, sparse_mla_prefill_reference
 
 D_QKS = (576, 512)
 D_V = 512

@@ -25,13 +25,28 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla.cache.formats import (DS_MLA_BYTES, DS_MLA_NUM_TILES, DS_MLA_ROPE_OFFSET,
-                                   DS_MLA_SCALE_OFFSET, DS_MLA_TILE, FP8, KV_LORA_RANK,
-                                   MODEL1_DATA_BYTES, MODEL1_NOPE, MODEL1_NUM_TILES,
-                                   MODEL1_SCALE_BYTES, MODEL1_TILE, ROPE_DIM)
-from jax_mla.sparse_mla.prefill_pallas import (KernelConfig, KVSource, bf16_source, gather_rows,
-                                               run_sparse_mla)
-
+from jax_mla.cache.formats import (
+  DS_MLA_BYTES,
+  DS_MLA_NUM_TILES,
+  DS_MLA_ROPE_OFFSET,
+  DS_MLA_SCALE_OFFSET,
+  DS_MLA_TILE,
+  FP8,
+  KV_LORA_RANK,
+  MODEL1_DATA_BYTES,
+  MODEL1_NOPE,
+  MODEL1_NUM_TILES,
+  MODEL1_SCALE_BYTES,
+  MODEL1_TILE,
+  ROPE_DIM,
+)
+from jax_mla.sparse_mla.prefill_pallas import (
+  KernelConfig,
+  KVSource,
+  bf16_source,
+  gather_rows,
+  run_sparse_mla,
+)
 
 # Byte views larger than this (and at most 4 GiB) are read as uint16 (see the module doc).
 I32_SAFE_BYTES = 2**31

@@ -1,0 +1,324 @@
+"""Sparse MLA prefill and decode: kernels vs reference, reference vs a dense numpy softmax.
+
+Kernels run in the Pallas interpreter on CPU (tiny shapes, real head sizes
+576/512). Cases follow FlashMLA's tests: invalid indices of every kind, rows with
+no valid index, short and zero ``topk_length``, sinks at +-inf, NaN in every
+unused cache slot, head counts that are not 64/128, odd topk, several query
+positions per request in decode, block sizes 2, 61 and 64.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rel_err
+
+import jax_mla.sparse_mla.decode_pallas as decode_pallas
+from jax_mla.cache.formats import (
+  dequantize_fp8_ds_mla,
+  dequantize_fp8_model1_cache,
+  quantize_fp8_ds_mla,
+  quantize_fp8_model1_cache,
+)
+from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
+
+BAD = np.array([-1, -2**31, 2**31 - 1, -123456], np.int64)  # plus s_kv, added per case
+OUT_TOL = 1e-2
+LSE_TOL = 1e-5
+
+
+def _bf16(rng, shape, scale=0.3):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def _indices(rng, shape, num_slots, bad_frac=0.2):
+  idx = rng.integers(0, num_slots, shape)
+  bad = np.concatenate([BAD, [num_slots, num_slots + 7]])
+  mask = rng.random(shape) < bad_frac
+  idx = np.where(mask, bad[rng.integers(0, bad.size, shape)], idx)
+  return idx.astype(np.int32)
+
+
+def _sink(rng, h):
+  s = rng.standard_normal(h).astype(np.float32)
+  s[::3] = np.inf
+  s[1::3] = -np.inf
+  return jnp.asarray(s)
+
+
+def _dense_numpy(q, rows, valid, sm_scale, sink):
+  """Per query token: softmax over exactly its valid gathered rows (float64)."""
+  q = np.asarray(q, np.float64)
+  t, h, _ = q.shape
+  out = np.zeros((t, h, 512))
+  lse = np.full((t, h), np.inf)
+  mx = np.full((t, h), -np.inf)
+  for i in range(t):
+    keys = np.asarray(rows[i], np.float64)[valid[i]]
+    if keys.shape[0] == 0:
+      continue
+    s = q[i] @ keys.T * sm_scale
+    mx[i] = s.max(-1)
+    lse[i] = mx[i] + np.log(np.exp(s - mx[i][:, None]).sum(-1))
+    o = np.exp(s - lse[i][:, None]) @ keys[:, :512]
+    if sink is not None:
+      o = o / (1.0 + np.exp(np.asarray(sink, np.float64) - lse[i]))[:, None]
+    out[i] = o
+  return out, mx, lse
+
+
+def _check_stats(got, ref, lse_tol=LSE_TOL):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  assert np.array_equal(np.isposinf(got), np.isposinf(ref))
+  assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+  assert not np.isnan(got).any()
+  fin = np.isfinite(ref)
+  np.testing.assert_allclose(got[fin], ref[fin], rtol=lse_tol, atol=lse_tol)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def _prefill_case(seed, s_q, h_q, d_qk, s_kv, topk, *, sink, lengths, empty_rows=()):
+  rng = np.random.default_rng(seed)
+  q = _bf16(rng, (s_q, h_q, d_qk))
+  kv = _bf16(rng, (s_kv, d_qk))
+  idx = _indices(rng, (s_q, topk), s_kv)
+  for r in empty_rows:
+    idx[r] = BAD[r % BAD.size]
+  topk_length = None
+  if lengths:
+    topk_length = jnp.asarray(rng.integers(0, topk + 1, s_q), jnp.int32).at[0].set(0)
+  kw = dict(sm_scale=d_qk ** -0.5, attn_sink=_sink(rng, h_q) if sink else None,
+            topk_length=topk_length)
+  return q, kv, jnp.asarray(idx), kw
+
+
+@pytest.mark.parametrize("seed,s_q,h_q,d_qk,topk,sink,lengths", [
+    (0, 3, 16, 576, 37, True, True),
+    (1, 2, 20, 512, 19, False, True),
+    (2, 2, 64, 576, 64, True, False),
+    (3, 2, 5, 512, 1, True, False),
+])
+def test_prefill_kernel_matches_reference(interpret, seed, s_q, h_q, d_qk, topk, sink, lengths):
+  q, kv, idx, kw = _prefill_case(seed, s_q, h_q, d_qk, 50, topk, sink=sink, lengths=lengths,
+                                 empty_rows=(s_q - 1,))
+  # NaN in every row no index names: must never reach an output.
+  used = np.zeros(kv.shape[0], bool)
+  i = np.asarray(idx)
+  used[i[(i >= 0) & (i < kv.shape[0])]] = True
+  kv = jnp.where(jnp.asarray(used)[:, None], kv, jnp.nan).astype(jnp.bfloat16)
+  got = sparse_mla_prefill(q, kv, idx, implementation="pallas", interpret=interpret, **kw)
+  ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
+  assert got[0].shape == (s_q, h_q, 512) and got[0].dtype == jnp.bfloat16
+  assert rel_err(got[0], ref[0]) < OUT_TOL
+  _check_stats(got[1], ref[1])
+  _check_stats(got[2], ref[2])
+  # The all-invalid last row: out 0, lse +inf, max_logits -inf.
+  assert np.all(np.asarray(got[0][-1], np.float32) == 0)
+  assert np.all(np.isposinf(got[2][-1])) and np.all(np.isneginf(got[1][-1]))
+
+
+def test_prefill_block_and_3d_layouts(interpret):
+  """[s_kv, 1, d] / [s_q, 1, topk] inputs, topk not a multiple of block_k, several blocks."""
+  q, kv, idx, kw = _prefill_case(7, 2, 16, 576, 40, 45, sink=False, lengths=True)
+  got = sparse_mla_prefill(q, kv[:, None], idx[:, None], implementation="pallas",
+                           interpret=interpret, **kw)
+  small = sparse_mla_prefill_pallas(q, kv, idx, None, kw["topk_length"], sm_scale=kw["sm_scale"],
+                                    d_v=512, config=KernelConfig(block_k=16), interpret=interpret)
+  ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
+  for out in (got, small):
+    assert rel_err(out[0], ref[0]) < OUT_TOL
+    _check_stats(out[2], ref[2])
+
+
+@pytest.mark.parametrize("d_qk,sink", [(576, True), (512, False)])
+def test_prefill_reference_matches_dense_numpy(d_qk, sink):
+  q, kv, idx, kw = _prefill_case(11, 4, 6, d_qk, 30, 13, sink=sink, lengths=True,
+                                 empty_rows=(1,))
+  out, mx, lse = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
+  i = np.asarray(idx)
+  valid = (i >= 0) & (i < kv.shape[0]) & (np.arange(i.shape[1]) < np.asarray(
+      kw["topk_length"])[:, None])
+  rows = np.asarray(kv, np.float64)[np.where(valid, i, 0)]
+  want_out, want_mx, want_lse = _dense_numpy(q, rows, valid, kw["sm_scale"], kw["attn_sink"])
+  np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=2e-2, atol=2e-2)
+  _check_stats(mx, want_mx, 1e-5)
+  _check_stats(lse, want_lse, 1e-5)
+  assert np.all(np.asarray(out[1], np.float32) == 0)
+  sink_arr = np.asarray(kw["attn_sink"]) if sink else None
+  if sink_arr is not None:  # sink=+inf zeroes the head's output
+    assert np.all(np.asarray(out, np.float32)[:, np.isposinf(sink_arr)] == 0)
+
+
+def test_prefill_sink_minus_inf_has_no_effect():
+  q, kv, idx, kw = _prefill_case(5, 2, 4, 512, 20, 8, sink=False, lengths=False)
+  plain = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
+  kw["attn_sink"] = jnp.full((4,), -jnp.inf, jnp.float32)
+  sunk = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
+  for a, b in zip(plain, sunk, strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_prefill_validation():
+  q = jnp.zeros((2, 4, 576), jnp.bfloat16)
+  kv = jnp.zeros((8, 576), jnp.bfloat16)
+  idx = jnp.zeros((2, 3), jnp.int32)
+  with pytest.raises(ValueError, match="d_qk"):
+    sparse_mla_prefill(q[..., :192], kv[:, :192], idx, sm_scale=1.0)
+  with pytest.raises(TypeError, match="indices"):
+    sparse_mla_prefill(q, kv, idx.astype(jnp.float32), sm_scale=1.0)
+  with pytest.raises(ValueError, match="d_v"):
+    sparse_mla_prefill(q, kv, idx, sm_scale=1.0, d_v=256)
+  with pytest.raises(ValueError, match="attn_sink"):
+    sparse_mla_prefill(q, kv, idx, sm_scale=1.0, attn_sink=jnp.zeros((3,), jnp.float32))
+  with pytest.raises(ValueError, match="topk_length"):
+    sparse_mla_prefill(q, kv, idx, sm_scale=1.0, topk_length=jnp.zeros((3,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _cache(rng, kv_cache_dtype, num_blocks, block_size, used):
+  """A cache whose unused slots hold NaN (fp8 0xFF bytes / bf16 NaN), and its bf16 content."""
+  d = 512 if kv_cache_dtype == "fp8_model1" else 576
+  x = np.asarray(rng.standard_normal((num_blocks, block_size, d)) * 0.3, np.float32)
+  x[~used.reshape(num_blocks, block_size)] = np.nan
+  x = jnp.asarray(x, jnp.bfloat16)
+  if kv_cache_dtype == "fp8_ds_mla":
+    cache = quantize_fp8_ds_mla(x)
+    return cache, dequantize_fp8_ds_mla(cache)
+  if kv_cache_dtype == "fp8_model1":
+    cache = quantize_fp8_model1_cache(x)
+    return cache, dequantize_fp8_model1_cache(cache)
+  return x, x
+
+
+def _key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths):
+  n = num_blocks * block_size
+  idx = _indices(rng, (b, s_q, topk), n)
+  topk_length = None
+  used_idx = idx
+  if lengths:
+    topk_length = rng.integers(0, topk + 1, b).astype(np.int32)
+    topk_length[0] = 0
+    used_idx = np.where(np.arange(topk) < topk_length[:, None, None], idx, -1)
+  used = np.zeros(n, bool)
+  used[used_idx[(used_idx >= 0) & (used_idx < n)]] = True
+  cache, dense = _cache(rng, kv_cache_dtype, num_blocks, block_size, used)
+  return (cache, dense, jnp.asarray(idx),
+          None if topk_length is None else jnp.asarray(topk_length))
+
+
+DECODE_CASES = [
+    # dtype, b, s_q, h_q, topk, blocks, block_size, sink, lengths, extra (topk, blocks, bs)
+    ("fp8_ds_mla", 2, 2, 16, 37, 4, 61, True, True, None),
+    ("fp8_ds_mla", 1, 3, 20, 64, 3, 64, False, False, None),
+    ("fp8_model1", 2, 2, 16, 19, 3, 64, True, True, (23, 40, 2)),
+    ("fp8_model1", 2, 1, 20, 8, 200, 2, False, False, (9, 2, 64)),
+    ("auto", 2, 2, 16, 21, 4, 61, True, False, (7, 30, 2)),
+]
+
+
+def _decode_inputs(seed, case):
+  dt, b, s_q, h_q, topk, nb, bs, sink, lengths, extra = case
+  rng = np.random.default_rng(seed)
+  d = 512 if dt == "fp8_model1" else 576
+  q = _bf16(rng, (b, s_q, h_q, d))
+  cache, dense, idx, tl = _key_set(rng, dt, b, s_q, topk, nb, bs, lengths)
+  kw = dict(kv_cache_dtype=dt, attn_sink=_sink(rng, h_q) if sink else None, topk_length=tl)
+  sets = [(dense, idx, tl)]
+  if extra:
+    etopk, enb, ebs = extra
+    ecache, edense, eidx, etl = _key_set(rng, dt, b, s_q, etopk, enb, ebs, lengths)
+    kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=etl)
+    sets.append((edense, eidx, etl))
+  return q, cache, idx, kw, sets
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-bs{c[6]}-h{c[3]}")
+def test_decode_kernel_matches_reference(interpret, case):
+  q, cache, idx, kw, _ = _decode_inputs(3, case)
+  got = sparse_mla_decode(q, cache, idx, implementation="pallas", interpret=interpret, **kw)
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  b, s_q, h_q, _ = q.shape
+  assert got[0].shape == (b, s_q, h_q, 512) and got[1].shape == (b, h_q, s_q)
+  assert rel_err(got[0], ref[0]) < OUT_TOL
+  _check_stats(got[1], ref[1])
+  if kw["topk_length"] is not None and "extra_kv_cache" not in kw:
+    # Batch 0 has topk_length 0 and no extra set: no valid key at all.
+    assert np.all(np.asarray(got[0][0], np.float32) == 0)
+    assert np.all(np.isposinf(got[1][0]))
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[2]], ids=["ds_mla", "model1"])
+def test_decode_scale_variants_and_u16_byte_view(interpret, monkeypatch, case):
+  """The scale-on-P variant and the uint16 byte view (caches of 2-4 GiB) give the same result."""
+  q, cache, idx, kw, _ = _decode_inputs(4, case)
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  dt, b, s_q, h_q = case[0], *q.shape[:3]
+  sets = [(cache, idx.reshape(b * s_q, -1), jnp.repeat(kw["topk_length"], s_q))]
+  if "extra_kv_cache" in kw:
+    sets.append((kw["extra_kv_cache"], kw["extra_indices"].reshape(b * s_q, -1),
+                 jnp.repeat(kw["extra_topk_length"], s_q)))
+  qf = q.reshape(b * s_q, h_q, -1)
+  run = lambda cfg: decode_pallas.sparse_mla_decode_pallas(
+      qf, sets, kw["attn_sink"], kv_cache_dtype=dt, sm_scale=q.shape[-1] ** -0.5, d_v=512,
+      config=cfg, interpret=interpret)
+  # Scale on P skips the reference's bf16 rounding of fp8 * scale: ~1e-4 off in lse
+  # for fp8_ds_mla's arbitrary float32 scales, exact for fp8_model1's powers of two.
+  outs = [(run(KernelConfig(scale_on_p=True, block_k=32)), 1e-3)]
+  monkeypatch.setattr(decode_pallas, "I32_SAFE_BYTES", 0)
+  outs.append((run(KernelConfig(block_k=16)), LSE_TOL))
+  for (out, _, lse), tol in outs:
+    assert rel_err(out.reshape(ref[0].shape), ref[0]) < OUT_TOL
+    _check_stats(lse.reshape(b, s_q, h_q).transpose(0, 2, 1), ref[1], tol)
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[2]], ids=["ds_mla", "model1"])
+def test_decode_reference_matches_dense_numpy(case):
+  """One softmax over main + extra rows of the dequantized caches, per query token."""
+  q, cache, idx, kw, sets = _decode_inputs(5, case)
+  out, lse = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  b, s_q, h_q, d = q.shape
+  rows, valid = [], []
+  for dense, i, tl in sets:
+    i = np.asarray(i).reshape(b * s_q, -1)
+    n = dense.shape[0] * dense.shape[1]
+    ok = (i >= 0) & (i < n)
+    if tl is not None:
+      ok &= np.arange(i.shape[1]) < np.repeat(np.asarray(tl), s_q)[:, None]
+    rows.append(np.asarray(dense, np.float64).reshape(n, d)[np.where(ok, i, 0)])
+    valid.append(ok)
+  want_out, _, want_lse = _dense_numpy(q.reshape(b * s_q, h_q, d), np.concatenate(rows, 1),
+                                       np.concatenate(valid, 1), d ** -0.5, kw["attn_sink"])
+  np.testing.assert_allclose(np.asarray(out, np.float64).reshape(want_out.shape), want_out,
+                             rtol=2e-2, atol=2e-2)
+  _check_stats(lse, want_lse.reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-5)
+
+
+def test_decode_validation():
+  q = jnp.zeros((1, 1, 4, 576), jnp.bfloat16)
+  cache = jnp.zeros((2, 4, 656), jnp.uint8)
+  idx = jnp.zeros((1, 1, 3), jnp.int32)
+  with pytest.raises(ValueError, match="kv_cache_dtype"):
+    sparse_mla_decode(q, cache, idx, kv_cache_dtype="fp8")
+  with pytest.raises(ValueError, match="q.shape"):
+    sparse_mla_decode(q[..., :512], cache, idx)
+  with pytest.raises(ValueError, match="indices"):
+    sparse_mla_decode(q, cache, idx[0])
+  with pytest.raises(ValueError, match="extra"):
+    sparse_mla_decode(q, cache, idx, extra_kv_cache=cache)
+  with pytest.raises(ValueError, match="topk_length"):
+    sparse_mla_decode(q, cache, idx, topk_length=jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match="kv_cache"):
+    sparse_mla_decode(q, cache[..., :600], idx)
+
+
+def test_decode_is_jittable():
+  case = DECODE_CASES[2]
+  q, cache, idx, kw, _ = _decode_inputs(6, case)
+  f = jax.jit(lambda q, c, i: sparse_mla_decode(q, c, i, implementation="xla", **kw))
+  out, lse = f(q, cache, idx)
+  assert out.shape == q.shape[:3] + (512,) and np.isfinite(np.asarray(out, np.float32)).all()
