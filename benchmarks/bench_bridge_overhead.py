@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+import jax_mla
 from jax_mla import cache as jcache
-from jax_mla import mla_decode, sparse_mla
+from jax_mla import sparse_mla
 from torch_bridge import _interop, ops, to_jax, to_torch
 
 
@@ -82,7 +83,7 @@ def main():
   bt = torch.arange(nb, dtype=torch.int32, device=dev).reshape(b, nb // b)
   sl = torch.full((b,), 300, dtype=torch.int32, device=dev)
   jargs = [to_jax(t) for t in (q, kv, bt, sl)]
-  jax_fn = lambda: mla_decode.mla_decode_paged(*jargs, sm_scale=0.04, **impl)
+  jax_fn = lambda: jax_mla.mla_decode_paged(*jargs, sm_scale=0.04, **impl)
   torch_fn = lambda: ops.mla_decode_paged(q, kv, bt, sl, sm_scale=0.04, **impl)
   jsync = lambda: jax.block_until_ready(jax_fn())
   tj = per_call_us(jax_fn, jsync)

@@ -144,7 +144,7 @@ def bench():
       sweep += [(64, 64, 8, 1, auto_s), (64, 32, 8, 3, auto_s), (32, 64, 4, 2, auto_s),
                 (64, 32, 8, 2, 2 * auto_s)]
     else:
-      sweep += [(16, 32, 4, 3, auto_s), (16, 64, 4, 3, auto_s), (16, 64, 4, 2, 2 * auto_s),
+      sweep += [(16, 64, 4, 2, auto_s), (16, 64, 4, 3, auto_s), (16, 64, 4, 2, 2 * auto_s),
                 (16, 32, 4, 3, 4 * auto_s), (16, 128, 4, 1, auto_s)]
     for bm, bn, nw, ns, splits in sweep:
       fn = jax.jit(functools.partial(

@@ -3,7 +3,8 @@
 Rows: 128 seqs, Hq 64, Hkv 8, D 128, block 16, len 4096 (vLLM 5-D K cache and
 [nb, Hkv, D, bs] V cache), bf16 / fp8 K+V / sinks + sliding window 1024, plus a
 few-long-sequences row that shows the KV split. Bandwidth counts the K and V
-bytes that must be read once (only the window for the windowed row).
+bytes that must be read once (only the window for the windowed row): 2.15 GB for
+the bf16 row (BENCHMARKS.md's 0.91 TB/s for the seed counts half of that).
 
   PYTHONPATH=$PWD python3 benchmarks/bench_paged_attention.py [--sweep]
 """
@@ -95,7 +96,7 @@ def main():
   cores = getattr(dev, "core_count", "?")
   print(f"device: {dev.device_kind}, cores {cores}, jax {jax.__version__}", flush=True)
 
-  configs = [(64, 4, 2, 1)]
+  configs = [(None, 4, None, None)]  # the library defaults
   if a.sweep:
     configs = [(64, 4, 2, 1), (64, 4, 3, 1), (64, 4, 4, 1), (64, 8, 3, 1), (128, 4, 2, 1),
                (128, 4, 3, 1), (128, 8, 3, 1), (32, 4, 3, 1), (32, 4, 4, 1), (64, 4, 3, 2),

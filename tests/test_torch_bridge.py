@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import jax_mla  # noqa: E402
 import torch_bridge  # noqa: E402
 from jax_mla import cache as jcache  # noqa: E402
-from jax_mla import indexing, merge, mla_decode, paged_attention, sparse_mla  # noqa: E402
+from jax_mla import indexing, merge, sparse_mla  # noqa: E402
 from torch_bridge import _interop, aiter, flashmla, ops, to_jax, to_torch  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -209,7 +210,7 @@ def test_decode_ops_match_jax():
   block_table = _i32(r.permutation(nb)[:4].reshape(2, 2))
   seqlens = _i32([5, 8])
   got = ops.mla_decode_paged(q, kv_cache, block_table, seqlens, sm_scale=0.1, **XLA)
-  ref = mla_decode.mla_decode_paged(to_jax(q), to_jax(kv_cache), to_jax(block_table),
+  ref = jax_mla.mla_decode_paged(to_jax(q), to_jax(kv_cache), to_jax(block_table),
                                     to_jax(seqlens), sm_scale=0.1, implementation="xla")
   _assert_same(got, ref)
   # Another static value compiles another executable (and gives another result).
@@ -257,7 +258,7 @@ def test_flashmla_dense_drop_in_matches_jax():
   bt, sl = _i32([[4, 0], [2, 3]]), _i32([7, 3])
   meta, _ = ops.get_mla_metadata(sl, 4, 1)
   out, lse = ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, meta, causal=False)
-  ref = mla_decode.mla_decode_paged(to_jax(q), to_jax(k_cache.squeeze(2)), to_jax(bt),
+  ref = jax_mla.mla_decode_paged(to_jax(q), to_jax(k_cache.squeeze(2)), to_jax(bt),
                                     to_jax(sl), sm_scale=576 ** -0.5)
   _assert_same((out, lse), ref)
   with pytest.raises(ValueError, match="need sparse attention"):
@@ -286,14 +287,14 @@ def test_other_ops_match_jax():
   kc, vc = _bf16(r.normal(size=(3, 2, 4, 16))), _bf16(r.normal(size=(3, 2, 4, 16)))
   bt, sl = _i32([[0, 2], [1, 0]]), _i32([6, 3])
   _assert_same(ops.paged_attention(q, kc, vc, bt, sl, scale=0.25, **XLA),
-               paged_attention.paged_attention(to_jax(q), to_jax(kc), to_jax(vc), to_jax(bt),
+               jax_mla.paged_attention(to_jax(q), to_jax(kc), to_jax(vc), to_jax(bt),
                                                to_jax(sl), scale=0.25, implementation="xla"))
   # AITER-convention dense decode over a page_size-1 flat cache.
   qd = _bf16(r.normal(size=(2, 4, 576)))
   flat = _bf16(r.normal(size=(9, 1, 576)))
   args = (qd, flat, _i32([0, 1, 2]), _i32([0, 3, 7]), _i32([4, 0, 8, 1, 2, 3, 5]), _i32([1, 1]))
   _assert_same(ops.mla_decode(*args, max_seqlen_q=1, **XLA),
-               mla_decode.mla_decode(*map(to_jax, args), max_seqlen_q=1, implementation="xla"))
+               jax_mla.mla_decode(*map(to_jax, args), max_seqlen_q=1, implementation="xla"))
 
 
 def test_op_argument_errors():
@@ -447,7 +448,7 @@ def test_flashmla_dense_decode_and_sparse_prefill_match_jax_mla():
   bt = jax.random.permutation(k[2], nb).astype(jnp.int32).reshape(b, nb // b)
   sl = jnp.array([1, 300, 512], jnp.int32)
   out, lse = flashmla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
-  ref, ref_lse = mla_decode.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
+  ref, ref_lse = jax_mla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
   print(f"flashmla vs jax_mla dense decode: out rel {_rel(out, ref):.2e}")
   assert _rel(out, ref) < 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)

@@ -7,8 +7,11 @@ splits (and the attention sink) are merged afterwards in XLA with
 ``merge_attn_states``. Against the seed ``kernel_paged_attention_2d``:
 
 - splitting the sequence lets a few long sequences fill the GPU;
-- a tile spans several cache blocks (64 tokens, not one 16-token block), so
-  each iteration has more loads in flight;
+- a tile spans several cache blocks (64 tokens, 128 for fp8, not one 16-token
+  block), so each iteration has more loads in flight, and loads are not masked
+  per token, so they stay 16 bytes wide;
+- fp8 K/V are widened exactly to the query dtype; ``k_scale`` is folded into the
+  score scale and ``v_scale`` into the epilogue instead of scaling every element;
 - with a sliding window the loop starts at the first tile inside the window
   instead of masking every tile before it;
 - slots at or past ``seq_len`` and blocks with an out-of-range id never reach the
@@ -141,7 +144,7 @@ def _num_cores() -> int:
 def paged_attention_pallas(query, key_view_: CacheView, value_view_: CacheView, block_tables,
                            seq_lens, *, scale, k_scale, v_scale, sinks, alibi_slopes,
                            sliding_window, query_start_loc, out_scale, num_kv_splits=None,
-                           block_n=None, num_warps=4, num_stages=2, interpret=False):
+                           block_n=None, num_warps=4, num_stages=None, interpret=False):
   """Kernel path of ``paged_attention`` (arguments already validated)."""
   t, hq, head_dim = query.shape
   num_blocks, hkv, _, block_size, _ = key_view_.data.shape
@@ -149,8 +152,13 @@ def paged_attention_pallas(query, key_view_: CacheView, value_view_: CacheView, 
   group = hq // hkv
   g_pad = max(16, next_pow2(group))
   d_pad = max(16, next_pow2(head_dim))
+  # Tile defaults from the H100 sweep (benchmarks/bench_paged_attention.py --sweep):
+  # 64 tokens, 2 stages for 2-byte caches; 128 tokens, 3 stages for fp8.
+  fp8_cache = key_view_.data.dtype.itemsize == 1
   if block_n is None:
-    block_n = 64 if d_pad <= 128 else 32
+    block_n = (128 if fp8_cache else 64) if d_pad <= 128 else 32
+  if num_stages is None:
+    num_stages = 3 if fp8_cache else 2
   max_tiles = cdiv(max_blocks * block_size, block_n)
   if num_kv_splits is None:
     num_kv_splits = default_num_kv_splits(num_seqs, hkv, max_tiles,

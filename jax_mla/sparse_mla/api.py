@@ -18,7 +18,7 @@ from jax_mla._common import (
 )
 from jax_mla.cache.formats import check_cache, latent_size
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
-from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
+from jax_mla.sparse_mla.prefill_pallas import sparse_mla_prefill_pallas
 from jax_mla.sparse_mla.reference import sparse_mla_decode_reference, sparse_mla_prefill_reference
 
 D_QKS = (576, 512)
@@ -114,7 +114,7 @@ def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, int
     return sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length,
                                         sm_scale=sm_scale, d_v=d_v)
   return sparse_mla_prefill_pallas(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale,
-                                   d_v=d_v, config=KernelConfig(), interpret=interpret)
+                                   d_v=d_v, interpret=interpret)
 
 
 def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
@@ -218,6 +218,5 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
                                               sm_scale=sm_scale, d_v=d_v)
   else:
     out, _, lse = sparse_mla_decode_pallas(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
-                                           sm_scale=sm_scale, d_v=d_v, config=KernelConfig(),
-                                           interpret=interpret)
+                                           sm_scale=sm_scale, d_v=d_v, interpret=interpret)
   return out.reshape(b, s_q, h_q, d_v), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)

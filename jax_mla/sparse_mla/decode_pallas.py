@@ -169,8 +169,11 @@ def cache_source(kv_cache: jax.Array, kv_cache_dtype: str, scale_on_p: bool = Fa
   return bf16_source(nb * bs, d), (kv_cache.reshape(nb * bs, d),)
 
 
+DECODE_CONFIG = KernelConfig()  # measured best on an H100 (benchmarks/bench_sparse_mla.py)
+
+
 def sparse_mla_decode_pallas(q, sets, attn_sink, *, kv_cache_dtype: str, sm_scale: float,
-                             d_v: int, config: KernelConfig = KernelConfig(),
+                             d_v: int, config: KernelConfig = DECODE_CONFIG,
                              interpret: bool = False):
   """Sparse decode on the kernel: ``q[T, h, d]`` and sets ``(kv_cache, indices[T, topk],
   lengths[T])`` already validated and flattened. Returns ``(out, max_logits, lse)``."""

@@ -215,8 +215,11 @@ def run_sparse_mla(q: jax.Array, sets: Sequence[tuple[KVSource, jax.Array, jax.A
       interpret=interpret, name="sparse_mla")(*operands)
 
 
+PREFILL_CONFIG = KernelConfig()  # measured best on an H100 (benchmarks/bench_sparse_mla.py)
+
+
 def sparse_mla_prefill_pallas(q, kv, indices, attn_sink, topk_length, *, sm_scale: float,
-                              d_v: int, config: KernelConfig = KernelConfig(),
+                              d_v: int, config: KernelConfig = PREFILL_CONFIG,
                               interpret: bool = False):
   """Sparse prefill on the kernel; shapes already validated and squeezed.
 
