@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.mla_decode import api, mla_decode, mla_decode_paged
-from jax_mla.mla_decode import pallas as kern
+from jax_mla.dense_decode import api, mla_decode, mla_decode_paged
+from jax_mla.dense_decode import pallas as kern
 
 D = 576
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.mla_prefill import mla_prefill
-from jax_mla.mla_prefill.kernel import mla_prefill_pallas
+from jax_mla.dense_prefill import mla_prefill
+from jax_mla.dense_prefill.kernel import mla_prefill_pallas
 
 D_QK, D_V = 192, 128
 T0 = time.time()

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.paged_attention import paged_attention
-from jax_mla.paged_attention.pallas import paged_attention_pallas
-from jax_mla.paged_attention.reference import key_view, value_view
+from jax_mla.paged import paged_attention
+from jax_mla.paged.pallas import paged_attention_pallas
+from jax_mla.paged.reference import key_view, value_view
 
 SEED_US = {"bf16": 1176.0, "fp8": 1443.0, "sink_window": 1182.0}
 COPY_TBS = 3.0

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.harness import Row, device_name, n_sets, print_table, time_us
 from jax_mla.cache import quantize_fp8_ds_mla
-from jax_mla.mla_decode import mla_decode_paged
+from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.sharding import head_parallel, request_parallel
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 

@@ -83,7 +83,8 @@ def _poison_unused(cache_rows, slots):
   return jnp.where(used, cache_rows, jnp.asarray(jnp.nan, cache_rows.dtype))
 
 
-def check(results):
+def check(results, small=False):
+  """Kernel vs reference with adversarial inputs; ``small`` shrinks every shape."""
   key = jax.random.PRNGKey(0)
   rows = []
 
@@ -97,7 +98,8 @@ def check(results):
 
   for d_qk, h_q, topk in ((576, 128, 2048), (512, 64, 512), (576, 20, 61)):
     k = jax.random.split(jax.random.fold_in(key, d_qk + h_q), 5)
-    s_q, s_kv = 64, 32768
+    s_q, s_kv = (4, 300) if small else (64, 32768)
+    topk = min(topk, 97) if small else topk
     q = (jax.random.normal(k[0], (s_q, h_q, d_qk)) / 3).astype(jnp.bfloat16)
     kv = (jax.random.normal(k[1], (s_kv, d_qk)) / 3).astype(jnp.bfloat16)
     idx = _bad_indices(k[2], (s_q, topk), s_kv)
@@ -115,7 +117,9 @@ def check(results):
                                    ("fp8_model1", 512, 64, 2, 96), ("auto", 576, 61, 2, 100)):
     k = jax.random.split(jax.random.fold_in(key, bs), 9)
     b, s_q, h_q, topk = 8, 2, 128, 512 if extra else 2048
-    nb = 8 * 4096 // bs
+    if small:
+      b, topk, extra = 2, 45, extra and 33
+    nb = b * (64 if small else 4096) // bs + 1
 
     def make_cache(kk, nblocks, bsz, slots, dt=dt, d_qk=d_qk):
       x = (jax.random.normal(kk, (nblocks, bsz, d_qk)) / 3).astype(jnp.bfloat16)
@@ -133,7 +137,7 @@ def check(results):
     cache = make_cache(k[3], nb, bs, lens_masked)
     kw = dict(kv_cache_dtype=dt, attn_sink=_sink(k[4], h_q), topk_length=lens)
     if extra:
-      enb = 8 * 2048 // ebs
+      enb = b * (32 if small else 2048) // ebs + 1
       eidx = _bad_indices(k[5], (b, s_q, extra), enb * ebs)
       elens = jax.random.randint(k[6], (b,), 0, extra + 1, jnp.int32)
       ecache = make_cache(k[7], enb, ebs, jnp.where(jnp.arange(extra) < elens[:, None, None],
@@ -227,32 +231,6 @@ def _record(results, name, cfg, fn, args, flop):
         f"(FlashMLA {anchor}, {tflops / anchor:.2f}x) compile {compile_s:.1f}s", flush=True)
 
 
-def _dump_kernels(folder):
-  """Wraps jaxlib's Triton compile: saves PTX and prints ptxas -v (registers, spills, smem)."""
-  import os
-  import subprocess
-
-  from jax._src.lib import triton
-  compile_fn = triton.compile
-  count = [0]
-
-  def wrapped(*args, **kwargs):
-    res = compile_fn(*args, **kwargs)
-    count[0] += 1
-    path = os.path.join(
-        folder, f"k{count[0]}_w{kwargs.get('num_warps')}_s{kwargs.get('num_stages')}.ptx")
-    with open(path, "w") as f:
-      f.write(res.asm)
-    info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", "/dev/null"],
-                          capture_output=True, text=True)
-    lines = [ln.strip() for ln in info.stderr.splitlines() if "Used" in ln or "spill" in ln]
-    print(f"  [ptxas {os.path.basename(path)} smem {res.smem_bytes}] " + " | ".join(lines),
-          flush=True)
-    return res
-
-  triton.compile = wrapped
-
-
 def _configs(spec: str):
   out = []
   for item in spec.split(","):
@@ -268,15 +246,14 @@ def main():
   ap.add_argument("--rows", default="prefill_v32,decode_ds_b128")
   ap.add_argument("--prefill-configs", default="64:64:8:2")
   ap.add_argument("--decode-configs", default="64:64:8:2")
-  ap.add_argument("--dump", default="", help="folder: write each kernel's PTX and ptxas -v there")
+  ap.add_argument("--small", action="store_true",
+                  help="--check on small shapes (for compute-sanitizer runs)")
   args = ap.parse_args()
-  if args.dump:
-    _dump_kernels(args.dump)
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   results = {}
   ok = True
-  if args.check:
-    ok = check(results)
+  if args.check or args.small:
+    ok = check(results, small=args.small)
   pc, dc = _configs(args.prefill_configs), _configs(args.decode_configs)
   rows = [r for r in args.rows.split(",") if r]
   prefill_rows = {

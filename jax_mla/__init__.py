@@ -15,6 +15,8 @@ from jax_mla.cache import (
     quantize_fp8_ds_mla,
     quantize_fp8_model1,
 )
+from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
+from jax_mla.dense_prefill import mla_prefill
 from jax_mla.indexing import (
     convert_req_index_to_global_index,
     expand_page_indices,
@@ -22,9 +24,7 @@ from jax_mla.indexing import (
     req_id_per_token,
 )
 from jax_mla.merge import lse2_to_lse, merge_attn_states
-from jax_mla.mla_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-from jax_mla.mla_prefill import mla_prefill
-from jax_mla.paged_attention import paged_attention
+from jax_mla.paged import paged_attention
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 __version__ = "0.1.0"

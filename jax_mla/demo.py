@@ -48,7 +48,8 @@ def main() -> None:
   num_blocks = int(num_reqs * blocks_per_req + 3)
   print(f"device: {jax.devices()[0].device_kind}  default path: {'pallas' if gpu else 'xla'}")
   print(f"requests {num_reqs}, seq_lens {seq_lens.tolist()}, heads {heads}, topk {topk}, "
-        f"block {block_size}, cache fp8_ds_mla {kv_cache_shape(num_blocks, block_size, 576, 'fp8_ds_mla')}")
+        f"block {block_size}, "
+        f"cache fp8_ds_mla {kv_cache_shape(num_blocks, block_size, 576, 'fp8_ds_mla')}")
 
   # 1. Write every request's latents into the paged fp8_ds_mla cache.
   block_table = rng.permutation(num_blocks)[:num_reqs * blocks_per_req].reshape(

@@ -41,7 +41,8 @@ def merge_attn_states(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
     LSE. A row empty in both parts gets ``out = 0`` and ``lse = +inf``.
   """
   if out_a.shape != out_b.shape:
-    raise ValueError(f"out_a and out_b must have the same shape; got {out_a.shape} and {out_b.shape}")
+    raise ValueError(
+        f"out_a and out_b must have the same shape; got {out_a.shape} and {out_b.shape}")
   if lse_a.shape != out_a.shape[:-1] or lse_b.shape != out_a.shape[:-1]:
     raise ValueError(
         f"lse_a and lse_b must have shape {out_a.shape[:-1]} (out without its last axis); "

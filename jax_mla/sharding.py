@@ -88,8 +88,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_mla.backends import aiter_mla, deepseek_v4, flashmla_sparse
-from jax_mla.mla_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-from jax_mla.mla_prefill import mla_prefill
+from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
+from jax_mla.dense_prefill import mla_prefill
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 AxisName = str | tuple[str, ...]

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
-from jax_mla.backends.flashmla_sparse import (FlashMLASparseConfig,
-                                              build_flashmla_sparse_metadata,
-                                              flashmla_sparse_forward)
+from jax_mla.backends.flashmla_sparse import (
+  FlashMLASparseConfig,
+  build_flashmla_sparse_metadata,
+  flashmla_sparse_forward,
+)
 from jax_mla.cache import dequantize_fp8_ds_mla, kv_cache_shape
 
 H, P, R, L, V = 4, 128, 64, 512, 128

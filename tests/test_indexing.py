@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import has_gpu
 
 import jax_mla.indexing as ix
-from helpers import has_gpu
 from jax_mla.merge import lse2_to_lse
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1

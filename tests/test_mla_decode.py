@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
-from jax_mla.mla_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-from jax_mla.mla_decode import pallas as kern
+from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
+from jax_mla.dense_decode import pallas as kern
 
 D = 576
 DV = 512

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
-from jax_mla.mla_prefill import mla_prefill
-from jax_mla.mla_prefill.kernel import mla_prefill_pallas
+from jax_mla.dense_prefill import mla_prefill
+from jax_mla.dense_prefill.kernel import mla_prefill_pallas
 
 
 def _cu(lens):

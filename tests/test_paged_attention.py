@@ -15,8 +15,8 @@ import pytest
 from helpers import rel_err
 
 from jax_mla._common import FP8_E4M3_MAX
-from jax_mla.paged_attention import paged_attention
-from jax_mla.paged_attention.pallas import default_num_kv_splits
+from jax_mla.paged import paged_attention
+from jax_mla.paged.pallas import default_num_kv_splits
 
 FP8 = jnp.float8_e4m3fn
 

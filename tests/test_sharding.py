@@ -47,8 +47,8 @@ else:
   from jax_mla.backends import aiter_mla as A
   from jax_mla.backends import deepseek_v4 as v4
   from jax_mla.cache import quantize_fp8_ds_mla, quantize_fp8_model1_cache
-  from jax_mla.mla_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-  from jax_mla.mla_prefill import mla_prefill
+  from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
+  from jax_mla.dense_prefill import mla_prefill
   from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
   MESHES = [(1, 4), (2, 2)]

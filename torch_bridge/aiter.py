@@ -1,6 +1,6 @@
 """The installed AITER MLA decode kernel (ROCm, python module ``aiter``) on jax.Arrays.
 
-``mla_decode`` takes exactly the arguments of ``jax_mla.mla_decode``
+``mla_decode`` takes exactly the arguments of ``jax_mla.dense_decode``
 (AITER's ``mla_decode_fwd`` convention), so the same metadata, built by
 jax_mla's own builders, drives both::
 
@@ -32,7 +32,7 @@ def mla_decode(q: jax.Array, kv_cache: jax.Array, qo_indptr: jax.Array, kv_indpt
                sm_scale: float | None = None, causal: bool = True,
                q_scale: jax.Array | None = None, kv_scale: jax.Array | None = None,
                num_kv_splits: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """AITER ``mla_decode_fwd`` with ``jax_mla.mla_decode``'s arguments.
+  """AITER ``mla_decode_fwd`` with ``jax_mla.dense_decode``'s arguments.
 
   Args:
     q: ``[T, h_q, 576]`` bf16 (or fp8 with ``q_scale``).

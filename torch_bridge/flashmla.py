@@ -85,7 +85,7 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
 def mla_decode_paged(q: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
                      cache_seqlens: jax.Array, *, sm_scale: float | None = None,
                      causal: bool = False) -> tuple[jax.Array, jax.Array]:
-  """FlashMLA's dense bf16 decode with ``jax_mla.mla_decode.mla_decode_paged``'s arguments.
+  """FlashMLA's dense bf16 decode with ``jax_mla.dense_decode.mla_decode_paged``'s arguments.
 
   Args:
     q: ``[b, s_q, h_q, 576]`` bf16.

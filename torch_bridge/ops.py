@@ -37,9 +37,9 @@ OP_MODULES = {
                       "quantize_fp8_model1", "dequantize_fp8_model1",
                       "quantize_fp8_model1_cache", "dequantize_fp8_model1_cache"),
     "jax_mla.sparse_mla": ("sparse_mla_prefill", "sparse_mla_decode"),
-    "jax_mla.mla_decode": ("mla_decode", "mla_decode_paged", "mla_ragged_paged_attention"),
-    "jax_mla.mla_prefill": ("mla_prefill",),
-    "jax_mla.paged_attention": ("paged_attention",),
+    "jax_mla.dense_decode": ("mla_decode", "mla_decode_paged", "mla_ragged_paged_attention"),
+    "jax_mla.dense_prefill": ("mla_prefill",),
+    "jax_mla.paged": ("paged_attention",),
 }
 
 _DYNAMIC = object()  # marks a tensor position in a call's static signature
@@ -270,7 +270,7 @@ def flash_mla_with_kvcache(
   656 bytes a token) or ``"fp8_model1"`` caches (``head_dim`` 512, FlashMLA's
   padded-block view); ``is_fp8_kvcache=False`` reads a bf16 cache (an
   extension: FlashMLA's sparse decode needs fp8). Dense mode runs
-  ``jax_mla.mla_decode.mla_decode_paged`` on a bf16 cache.
+  ``jax_mla.dense_decode.mla_decode_paged`` on a bf16 cache.
 
   Arguments:
     q: ``[batch, s_q, h_q, head_dim]`` bf16.

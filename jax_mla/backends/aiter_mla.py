@@ -4,11 +4,11 @@ Mirrors ``vllm/v1/attention/backends/mla/rocm_aiter_mla.py`` on top of the
 common MLA flow (``vllm/v1/attention/backends/mla/common.py``):
 
 * decode (``forward_mqa``): absorbed queries ``[ql_nope(512) | q_pe(64)]`` against
-  the latent cache through ``jax_mla.mla_decode`` on the page-size-1 flat view of
+  the latent cache through ``jax_mla.dense_decode`` on the page-size-1 flat view of
   the cache (``paged_kv_indices`` from ``expand_page_indices``), with query heads
   padded to 16 by AITER's rule and unpadded after;
 * prefill (``forward_mha``): ``kv_b_proj`` decompresses the new latents into
-  ``k_nope``/``v``, ``k = [k_nope | k_pe]`` (192), ``jax_mla.mla_prefill`` runs
+  ``k_nope``/``v``, ``k = [k_nope | k_pe]`` (192), ``jax_mla.dense_prefill`` runs
   causal attention over the new tokens, and the cached context is processed in
   chunks gathered from the cache (``causal=False``, with LSE) and merged by
   ``jax_mla.merge.merge_attn_states``;
@@ -31,10 +31,10 @@ import numpy as np
 from jax_mla._common import FP8_E4M3_MAX, Implementation, cdiv
 from jax_mla._pytree import pytree_dataclass, static_field
 from jax_mla.cache import concat_and_cache_mla
+from jax_mla.dense_decode import mla_decode
+from jax_mla.dense_prefill import mla_prefill
 from jax_mla.indexing import expand_page_indices
 from jax_mla.merge import merge_attn_states
-from jax_mla.mla_decode import mla_decode
-from jax_mla.mla_prefill import mla_prefill
 
 AITER_MIN_MLA_HEADS = 16
 

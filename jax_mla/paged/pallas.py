@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_mla._common import cdiv, next_pow2
 from jax_mla.merge import merge_attn_states
-from jax_mla.paged_attention.reference import (
+from jax_mla.paged.reference import (
     CacheView,
     decode_rows,
     finish_output,

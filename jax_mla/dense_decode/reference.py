@@ -80,7 +80,7 @@ def causal_num_keys(seq_len, q_len, q_idx, causal):
 
 def mla_decode_reference(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, *,
                          sm_scale, causal=True, q_scale=None, kv_scale=None):
-  """Reference for :func:`jax_mla.mla_decode` (AITER ``mla_decode_fwd``)."""
+  """Reference for :func:`jax_mla.dense_decode` (AITER ``mla_decode_fwd``)."""
   num_tokens = q.shape[0]
   page_size = kv_cache.shape[1]
   seq_lens = aiter_seq_lens(kv_indptr, kv_last_page_lens, page_size)

@@ -23,7 +23,7 @@ def _pad_sequences(x, cu_seqlens, max_seqlen):
 
 def mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
                           sm_scale, causal):
-  """Returns ``(out[Tq, H, d_v] in q.dtype, lse f32[H, Tq])``; see ``jax_mla.mla_prefill``."""
+  """Returns ``(out[Tq, H, d_v] in q.dtype, lse f32[H, Tq])``; see ``jax_mla.dense_prefill``."""
   num_tokens = q.shape[0]
   num_heads, d_v = v.shape[1], v.shape[2]
   if num_tokens == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:

@@ -1,5 +1,5 @@
 """Paged decode attention (vLLM ``kernel_paged_attention_2d``): reference and Pallas kernel."""
 
-from jax_mla.paged_attention.api import paged_attention
+from jax_mla.paged.api import paged_attention
 
 __all__ = ["paged_attention"]

@@ -16,8 +16,8 @@ from jax_mla._common import (
   check_shape,
   resolve_implementation,
 )
-from jax_mla.mla_prefill.kernel import mla_prefill_pallas, split_head_dim
-from jax_mla.mla_prefill.reference import mla_prefill_reference
+from jax_mla.dense_prefill.kernel import mla_prefill_pallas, split_head_dim
+from jax_mla.dense_prefill.reference import mla_prefill_reference
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 

@@ -15,8 +15,8 @@ from jax_mla._common import (
     check_shape,
     resolve_implementation,
 )
-from jax_mla.paged_attention.pallas import paged_attention_pallas
-from jax_mla.paged_attention.reference import key_view, paged_attention_xla, value_view
+from jax_mla.paged.pallas import paged_attention_pallas
+from jax_mla.paged.reference import key_view, paged_attention_xla, value_view
 
 _QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)

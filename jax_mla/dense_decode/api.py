@@ -2,7 +2,7 @@
 
 Each public function validates its inputs, then either runs the jax.numpy
 reference (``implementation="xla"``) or lowers its metadata to query groups
-(see :mod:`jax_mla.mla_decode.pallas`) and runs the shared split-KV kernel.
+(see :mod:`jax_mla.dense_decode.pallas`) and runs the shared split-KV kernel.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from jax_mla._common import (
   check_shape,
   resolve_implementation,
 )
-from jax_mla.mla_decode import pallas as kern
-from jax_mla.mla_decode import reference as ref
+from jax_mla.dense_decode import pallas as kern
+from jax_mla.dense_decode import reference as ref
 
 D_QK = kern.D_QK
 D_NOPE = kern.D_NOPE

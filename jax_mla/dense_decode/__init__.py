@@ -1,5 +1,5 @@
 """Dense MLA decode (AITER, FlashMLA and tpu-inference conventions) over one split-KV kernel."""
 
-from jax_mla.mla_decode.api import mla_decode, mla_decode_paged, mla_ragged_paged_attention
+from jax_mla.dense_decode.api import mla_decode, mla_decode_paged, mla_ragged_paged_attention
 
 __all__ = ["mla_decode", "mla_decode_paged", "mla_ragged_paged_attention"]
