@@ -213,8 +213,7 @@ def decode_row(name, dt, b, s_q, h_q, topk, bs, extra, ebs, seqlen, configs, res
 
 
 def _record(results, name, cfg, fn, args, flop):
-  label = (f"bh{cfg.block_h} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-           f"{' pscale' if cfg.scale_on_p else ''}")
+  label = f"bh{cfg.block_h} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
   try:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -234,9 +233,8 @@ def _record(results, name, cfg, fn, args, flop):
 def _configs(spec: str):
   out = []
   for item in spec.split(","):
-    bh, bk, w, s, *p = (int(v) for v in item.split(":"))
-    out.append(KernelConfig(block_h=bh, block_k=bk, num_warps=w, num_stages=s,
-                            scale_on_p=bool(p and p[0])))
+    bh, bk, w, s = (int(v) for v in item.split(":"))
+    out.append(KernelConfig(block_h=bh, block_k=bk, num_warps=w, num_stages=s))
   return out
 
 
@@ -244,7 +242,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--check", action="store_true")
   ap.add_argument("--rows", default="prefill_v32,decode_ds_b128")
-  ap.add_argument("--prefill-configs", default="64:64:8:2")
+  ap.add_argument("--prefill-configs", default="64:64:8:3",
+                  help="block_h:block_k:num_warps:num_stages,...")
   ap.add_argument("--decode-configs", default="64:64:8:2")
   ap.add_argument("--small", action="store_true",
                   help="--check on small shapes (for compute-sanitizer runs)")

@@ -162,6 +162,57 @@ def test_fp8_quotient_matches_ieee_double_rounding(scale):
   np.testing.assert_array_equal(got, _fp8_bytes(x / s))
 
 
+def _fp8_midpoints():
+  """float32 midpoints of consecutive e4m3fn magnitudes (0 .. 448, and 464 towards
+  480), with their float32 neighbours, both signs."""
+  vals = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(np.float32)  # 0 .. 448
+  vals = np.append(vals, np.float32(480))
+  mid = (vals[:-1] + vals[1:]) / np.float32(2)  # exact
+  near = np.concatenate([mid, np.nextafter(mid, np.float32(np.inf)),
+                         np.nextafter(mid, np.float32(0)), vals])
+  return np.concatenate([near, -near])
+
+
+def test_fp8_bytes_bit_conversion_matches_ml_dtypes():
+  from jax_mla.cache.formats import fp8_bytes
+  v = np.concatenate([
+      np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(BF16).astype(np.float32),
+      _fp8_midpoints(),
+      np.array([np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 2**-126, 3.4e38, 449, 464,
+                463.99997, 2**-10, 2**-10 * (1 + 2**-23), 2**-10 * (1 - 2**-24)], np.float32),
+  ])
+  got = np.asarray(jax.jit(fp8_bytes)(jnp.asarray(v)))
+  with np.errstate(invalid="ignore"):
+    np.testing.assert_array_equal(got, _fp8_bytes(v))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0123456, 1 / 448, 3.3e-5, 2.5])
+def test_fp8_quotient_all_bf16_and_midpoints(scale):
+  from jax_mla.cache.formats import fp8_bytes_of_quotient
+  s = np.float32(scale)
+  # x whose float32 quotient lands on or next to an fp8 midpoint: m * s and its neighbours.
+  ms = _fp8_midpoints().astype(np.float64) * np.float64(s)
+  ms = ms[np.abs(ms) < 3e38].astype(np.float32)
+  x = np.concatenate([
+      np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(BF16).astype(np.float32),
+      ms, np.nextafter(ms, np.float32(np.inf)), np.nextafter(ms, np.float32(-np.inf)),
+  ])
+  got = np.asarray(jax.jit(fp8_bytes_of_quotient)(jnp.asarray(x), jnp.float32(s)))
+  with np.errstate(invalid="ignore", over="ignore"):
+    want = _fp8_bytes(x / s)
+  np.testing.assert_array_equal(got, want)
+  # The fix-up alone: a candidate one code off either way (as an approximate
+  # division may give) settles to the same code.
+  from jax_mla.cache.formats import _settle_quotient_code
+  ax = np.abs(x[~np.isnan(x)])
+  code = (want[~np.isnan(x)] & 0x7F).astype(np.int32)
+  settle = jax.jit(_settle_quotient_code)
+  for delta in (-1, 1):
+    candidate = np.clip(code + delta, 0, 0x7E)
+    settled = np.asarray(settle(jnp.asarray(ax), jnp.float32(s), jnp.asarray(candidate)))
+    np.testing.assert_array_equal(settled, code)
+
+
 # ---------------------------------------------------------------------------
 # fp8_ds_mla (V3.2)
 

@@ -50,7 +50,10 @@ Bit-exact on every platform: XLA rewrites ``a / 448`` into ``a * fl(1/448)``,
 and XLA:GPU and Triton divide with the approximate ``div.full.f32``, so no
 result here depends on a division. ``amax / 448`` and ``ceil(log2(.))`` come from
 float32 bits with exact corrections, and ``x / scale`` from a candidate fixed
-up by exact comparisons at fp8 midpoints (:func:`fp8_bytes_of_quotient`). The
+up by exact comparisons at fp8 midpoints (:func:`fp8_bytes_of_quotient`). No
+fp8 byte comes from a float conversion either (XLA:GPU's f32 -> f8 ``convert``
+did not match round-to-nearest-even): :func:`fp8_bytes` rounds with integer bit
+arithmetic. The
 reference and the Pallas kernel share these functions. (Exactness assumes
 normal float32 intermediates: tiles with amax below ~1e-30 may differ by an
 fp8 step between platforms that flush denormals and those that do not.)
@@ -215,10 +218,55 @@ def div448(a: jax.Array) -> jax.Array:
   return jnp.where(a == 0, 0.0, q)
 
 
+_F32_448 = int(np.float32(FP8_E4M3_MAX).view(np.int32))  # float32 bits of 448
+_F32_INF = 0x7F800000
+_FP8_MAX_CODE = 0x7E  # 448, the largest finite e4m3fn magnitude
+_FP8_NAN_CODE = 0x7F
+
+
+def _fp8_code(bits: jax.Array) -> jax.Array:
+  """e4m3fn magnitude code (int32, 0..0x7F) of the float32 with int32 ``bits``
+  (sign ignored): round to nearest even, saturated to 448, NaN -> 0x7F.
+
+  Integer arithmetic only, so the result is the same on every backend: under
+  XLA:GPU (H100), codes derived from float32 -> float8 ``convert`` came out one
+  step off against round-to-nearest-even at a few ties.
+  ``|v| = m * 2**(e - 150)`` with the 24-bit significand ``m``; the code is
+  ``(max(e - 121, 0) << 3) + round(m / 2**sh)``, ``sh = clip(141 - e, 20, 31)``
+  (20 for e4m3 normals, more below 2**-6 where the step is 2**-9); a mantissa
+  carry moves into the exponent field by itself.
+  """
+  u = bits & 0x7FFFFFFF
+  biased = jax.lax.shift_right_logical(u, 23)
+  e = jnp.maximum(biased, 1)  # float32 subnormals: exponent -126, no implicit bit
+  m = (u & 0x7FFFFF) | jnp.where(biased > 0, 0x800000, 0)
+  sh = jnp.clip(141 - e, 20, 31)
+  q = jax.lax.shift_right_logical(m, sh)
+  rem = m - jax.lax.shift_left(q, sh)
+  half = jax.lax.shift_left(jnp.ones_like(sh), sh - 1)
+  q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.int32)
+  code = jax.lax.shift_left(jnp.maximum(e - 121, 0), 3) + q
+  code = jnp.where(u >= _F32_448, _FP8_MAX_CODE, code)
+  return jnp.where(u > _F32_INF, _FP8_NAN_CODE, code)
+
+
+def _fp8_value(code: jax.Array) -> jax.Array:
+  """float32 value of the e4m3fn magnitude code ``code`` (int32, 0..0x7E), exact."""
+  exponent = jax.lax.shift_right_logical(code, 3)
+  significand = (code & 7) | jnp.where(exponent > 0, 8, 0)
+  return significand.astype(jnp.float32) * exp2_int(jnp.maximum(exponent, 1) - 10)
+
+
+def _with_sign(code: jax.Array, x: jax.Array) -> jax.Array:
+  """uint8 byte: ``code`` with the sign bit of float32 ``x`` (so -0.0 and -NaN keep it)."""
+  negative = jax.lax.bitcast_convert_type(x, jnp.int32) < 0
+  return (code | jnp.where(negative, 0x80, 0)).astype(jnp.uint8)
+
+
 def fp8_bytes(v: jax.Array) -> jax.Array:
-  """uint8 bytes of ``float8_e4m3fn(clip(v, +-448))`` (round to nearest even)."""
-  q = jnp.clip(v, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8)
-  return jax.lax.bitcast_convert_type(q, jnp.uint8)
+  """uint8 bytes of ``float8_e4m3fn(clip(v, +-448))`` for float32 ``v`` (round to
+  nearest even; NaN stays NaN with its sign), from integer bit arithmetic."""
+  return _with_sign(_fp8_code(jax.lax.bitcast_convert_type(v, jnp.int32)), v)
 
 
 def _ulp_up_down(v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -228,41 +276,49 @@ def _ulp_up_down(v: jax.Array) -> tuple[jax.Array, jax.Array]:
   return up, jnp.where(mantissa == 0, 0.5 * up, up)
 
 
-def fp8_bytes_of_quotient(x: jax.Array, s: jax.Array) -> jax.Array:
-  """uint8 bytes of ``float8_e4m3fn(clip(float32(x / s), +-448))`` for positive normal
-  ``s``: the IEEE float32 quotient rounded to fp8 (as the CUDA writers do),
-  identically on every platform.
+def _settle_quotient_code(ax: jax.Array, s: jax.Array, code: jax.Array) -> jax.Array:
+  """e4m3fn magnitude code of ``clip(float32(ax / s), 448)`` for ``ax >= 0`` and
+  positive normal ``s``, given a candidate ``code`` at most one off.
 
-  A candidate from any float32 division is at most one fp8 step off. It is
-  settled at the fp8 midpoint ``m`` towards each neighbour: the float32 quotient
-  lies beyond ``m`` iff ``x / s > m + ulp(m)/2``, and equals ``m`` (an fp8 tie,
-  to even) iff it is within half a float32 ulp of it. The signs of
-  ``|x| - (m + h) * s`` decide, computed exactly: ``s`` is split into two 12-bit
-  halves so every product is exact, and ``h`` is a power of two.
+  The candidate is settled at the fp8 midpoint ``m`` towards each neighbour code:
+  the float32 quotient lies beyond ``m`` iff ``ax / s > m + ulp(m)/2``, and equals
+  ``m`` (an fp8 tie, to the even code) iff it is within half a float32 ulp of it.
+  The signs of ``ax - (m + h) * s`` decide, computed exactly: ``s`` is split into
+  two 12-bit halves so every product is exact, and ``h`` is a power of two.
   """
-  ax = jnp.abs(x)
-  c = jnp.clip(ax / s, 0.0, FP8_E4M3_MAX).astype(FP8).astype(jnp.float32)
-  e, mantissa = _exponent_bits(c)
-  step_up = exp2_int(jnp.maximum(e, -6) - 3)  # e4m3 spacing: 2**(e-3), subnormals 2**-9
-  step_down = jnp.where((mantissa == 0) & (e > -6), 0.5 * step_up, step_up)
+  c = _fp8_value(code)
   s_hi = jax.lax.bitcast_convert_type(
       jax.lax.bitcast_convert_type(s, jnp.int32) & ~0xFFF, jnp.float32)
   s_lo = s - s_hi
 
-  def cmp(m, h):  # sign of |x| - (m + h) * s
+  def cmp(m, h):  # sign of ax - (m + h) * s
     return ((ax - m * s_hi) - m * s_lo) - h * s
 
   def side(m):  # +1: the float32 quotient is above m, -1: below, 0: equal
     up, down = _ulp_up_down(m)
     return jnp.where(cmp(m, 0.5 * up) > 0, 1, jnp.where(cmp(m, -0.5 * down) < 0, -1, 0))
 
-  even = (jax.lax.bitcast_convert_type(c.astype(FP8), jnp.uint8) & 1) == 1  # neighbours even
-  above, below = side(c + 0.5 * step_up), side(c - 0.5 * step_down)
-  go_up = (c < FP8_E4M3_MAX) & ((above > 0) | ((above == 0) & even))
-  go_down = (c > 0) & ((below < 0) | ((below == 0) & even))
-  c = jnp.where(go_up, c + step_up, jnp.where(go_down, c - step_down, c))
-  negative = jax.lax.bitcast_convert_type(x, jnp.int32) < 0  # sign bit, so -0.0 stays -0
-  return fp8_bytes(jnp.where(negative, -c, c))
+  odd = (code & 1) == 1  # its neighbours are even: a tie moves there
+  above = side(0.5 * (c + _fp8_value(code + 1)))
+  below = side(0.5 * (c + _fp8_value(jnp.maximum(code - 1, 0))))
+  go_up = (code < _FP8_MAX_CODE) & ((above > 0) | ((above == 0) & odd))
+  go_down = (code > 0) & ((below < 0) | ((below == 0) & odd))
+  return code + go_up.astype(jnp.int32) - go_down.astype(jnp.int32)
+
+
+def fp8_bytes_of_quotient(x: jax.Array, s: jax.Array) -> jax.Array:
+  """uint8 bytes of ``float8_e4m3fn(clip(float32(x / s), +-448))`` for float32 ``x``
+  and positive normal ``s``: the IEEE float32 quotient rounded to fp8 (as the
+  CUDA writers do), identically on every platform.
+
+  The platform's float32 division (approximate on XLA:GPU and Triton) gives a
+  candidate code at most one off, which exact comparisons then settle
+  (:func:`_settle_quotient_code`).
+  """
+  ax = jnp.abs(x)
+  candidate = _fp8_code(jax.lax.bitcast_convert_type(ax / s, jnp.int32))
+  code = _settle_quotient_code(ax, s, candidate)
+  return _with_sign(jnp.where(jnp.isnan(x), _FP8_NAN_CODE, code), x)
 
 
 def quantize_ds_mla_tiles(tiles: jax.Array, *, pow2_scales: bool = False):

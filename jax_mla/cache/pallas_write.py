@@ -12,8 +12,9 @@ pieces stored are 512 (V4: masked to 448), 16 or 8, and 128 bytes. The RoPE
 bytes are a bitcast of the input made outside the kernel (T * 128 bytes).
 
 The quantization math is the reference's own (``formats.quantize_*_tiles``),
-written without divisions where the result must be exact, so the kernel
-matches the XLA reference byte for byte on the same platform.
+written without divisions where the result must be exact and with the fp8
+rounding done in integer bit arithmetic (no float -> fp8 conversion), so the
+kernel matches the XLA reference byte for byte.
 """
 
 from __future__ import annotations

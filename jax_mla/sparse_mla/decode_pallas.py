@@ -78,22 +78,19 @@ def _load_byte(ref, rows, valid, col: int, wide: bool) -> jax.Array:
   return lax.shift_right_logical(pair, 8 * (col % 2)) & 0xFF
 
 
-def _fp8_tile(byte_tile: jax.Array, scale: jax.Array, *, scale_on_p: bool, exact_bf16: bool):
-  """uint8 fp8 bytes ``[K, w]`` with a per-row float32 ``scale[K]`` -> (bf16 tile, col scale).
+def _fp8_tile(byte_tile: jax.Array, scale: jax.Array, *, exact_bf16: bool) -> jax.Array:
+  """uint8 fp8 bytes ``[K, w]`` times a per-row float32 ``scale[K]`` -> bf16 ``[K, w]``.
 
-  ``scale_on_p`` leaves the scale to the kernel (applied to ``[h, K]`` scores and
-  probabilities); otherwise the tile is dequantized here, in bf16 when the scale
-  is a power of two (``exact_bf16``: the product is exact), else in float32.
+  Multiplies in bf16 when the scale is a power of two (``exact_bf16``: the product
+  is exact), else in float32 with one rounding, as the reference dequantizer does.
   """
   vals = lax.bitcast_convert_type(byte_tile, FP8)
-  if scale_on_p:
-    return vals.astype(jnp.bfloat16), scale
   if exact_bf16:
-    return vals.astype(jnp.bfloat16) * scale.astype(jnp.bfloat16)[:, None], None
-  return (vals.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16), None
+    return vals.astype(jnp.bfloat16) * scale.astype(jnp.bfloat16)[:, None]
+  return (vals.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
 
 
-def ds_mla_source(kv_cache: jax.Array, scale_on_p: bool) -> tuple[KVSource, tuple[jax.Array, ...]]:
+def ds_mla_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]:
   """fp8_ds_mla cache ``uint8[nb, bs, 656]`` -> (source, views: bytes, f32 scales, bf16 RoPE)."""
   n = kv_cache.shape[0] * kv_cache.shape[1]
   byte_view, wide = _byte_view(kv_cache.reshape(n, DS_MLA_BYTES))
@@ -110,14 +107,14 @@ def ds_mla_source(kv_cache: jax.Array, scale_on_p: bool) -> tuple[KVSource, tupl
       scale = plgpu.load(scale_ref.at[slots, DS_MLA_SCALE_OFFSET // 4 + g], mask=valid, other=0.0)
       out.append(_fp8_tile(
           _load_bytes(byte_ref, slots, valid, g * DS_MLA_TILE, DS_MLA_TILE, wide), scale,
-          scale_on_p=scale_on_p, exact_bf16=False))
-    out.append((gather_rows(rope_ref, slots, valid, DS_MLA_ROPE_OFFSET // 2, ROPE_DIM), None))
+          exact_bf16=False))
+    out.append(gather_rows(rope_ref, slots, valid, DS_MLA_ROPE_OFFSET // 2, ROPE_DIM))
     return out
 
   return KVSource(pieces=pieces, num_slots=n, load=load, num_refs=3), views
 
 
-def model1_source(kv_cache: jax.Array, scale_on_p: bool) -> tuple[KVSource, tuple[jax.Array, ...]]:
+def model1_source(kv_cache: jax.Array) -> tuple[KVSource, tuple[jax.Array, ...]]:
   """fp8_model1 cache ``uint8[nb, bs, w]`` -> (source, views: token rows, bf16 RoPE, scale rows).
 
   A block is ``bs * w`` bytes, a multiple of 576: viewed as 576-byte rows, token
@@ -152,24 +149,26 @@ def model1_source(kv_cache: jax.Array, scale_on_p: bool) -> tuple[KVSource, tupl
       scale = lax.bitcast_convert_type(lax.shift_left(code, 23), jnp.float32)
       out.append(_fp8_tile(
           _load_bytes(data_ref, rows, valid, g * MODEL1_TILE, MODEL1_TILE, wide), scale,
-          scale_on_p=scale_on_p, exact_bf16=True))
-    out.append((gather_rows(rope_ref, rows, valid, MODEL1_NOPE // 2, ROPE_DIM), None))
+          exact_bf16=True))
+    out.append(gather_rows(rope_ref, rows, valid, MODEL1_NOPE // 2, ROPE_DIM))
     return out
 
   return KVSource(pieces=pieces, num_slots=nb * bs, load=load, num_refs=3), views
 
 
-def cache_source(kv_cache: jax.Array, kv_cache_dtype: str, scale_on_p: bool = False):
+def cache_source(kv_cache: jax.Array, kv_cache_dtype: str):
   """(source, views) for a cache in ``"fp8_ds_mla"``, ``"fp8_model1"`` or ``"auto"`` (bf16)."""
   if kv_cache_dtype == "fp8_ds_mla":
-    return ds_mla_source(kv_cache, scale_on_p)
+    return ds_mla_source(kv_cache)
   if kv_cache_dtype == "fp8_model1":
-    return model1_source(kv_cache, scale_on_p)
+    return model1_source(kv_cache)
   nb, bs, d = kv_cache.shape
   return bf16_source(nb * bs, d), (kv_cache.reshape(nb * bs, d),)
 
 
-DECODE_CONFIG = KernelConfig()  # measured best on an H100 (benchmarks/bench_sparse_mla.py)
+# Best measured on an H100 (benchmarks/bench_sparse_mla.py): 145 TFLOP/s on the fp8_ds_mla
+# b128 row; 3 stages with block_k 32, 16 warps and scaling P instead of K were slower.
+DECODE_CONFIG = KernelConfig()
 
 
 def sparse_mla_decode_pallas(q, sets, attn_sink, *, kv_cache_dtype: str, sm_scale: float,
@@ -179,7 +178,7 @@ def sparse_mla_decode_pallas(q, sets, attn_sink, *, kv_cache_dtype: str, sm_scal
   lengths[T])`` already validated and flattened. Returns ``(out, max_logits, lse)``."""
   kernel_sets = []
   for cache, idx, lengths in sets:
-    src, views = cache_source(cache, kv_cache_dtype, config.scale_on_p)
+    src, views = cache_source(cache, kv_cache_dtype)
     kernel_sets.append((src, idx, lengths, views))
   return run_sparse_mla(q, kernel_sets, attn_sink, sm_scale=sm_scale, d_v=d_v, config=config,
                         interpret=interpret)

@@ -45,11 +45,9 @@ class KVSource:
     pieces: ``(col, width)`` column pieces of a row (powers of two); q is split the
       same way and the score is the sum of one dot per piece.
     num_slots: indices outside ``[0, num_slots)`` are invalid (masked, never read).
-    load: ``load(kv_refs, slots, valid) -> [(tile, col_scale) per piece]``: ``tile``
-      bf16 ``[block_k, width]``, ``col_scale`` None or float32 ``[block_k]``, a
-      per-row factor the kernel applies to the scores and probabilities of that
-      piece instead of to the tile (fp8 scales). ``slots`` are in range (0 where
-      invalid); rows where ``valid`` is False must come back as zeros, unread.
+    load: ``load(kv_refs, slots, valid) -> [bf16 [block_k, width] per piece]``;
+      ``slots`` are in range (0 where invalid) and rows where ``valid`` is False
+      must come back as zeros without being read.
     num_refs: how many arrays (views of the cache) ``load`` reads.
   """
   pieces: tuple[tuple[int, int], ...]
@@ -83,7 +81,7 @@ def bf16_source(num_slots: int, d_qk: int) -> KVSource:
 
   def load(kv_refs, slots, valid):
     (kv_ref,) = kv_refs
-    return [(gather_rows(kv_ref, slots, valid, c, w), None) for c, w in pieces]
+    return [gather_rows(kv_ref, slots, valid, c, w) for c, w in pieces]
 
   return KVSource(pieces=pieces, num_slots=num_slots, load=load, num_refs=1)
 
@@ -124,10 +122,8 @@ def _sparse_mla_kernel(*refs, sources: Sequence[KVSource], topks: Sequence[int],
       valid = in_range & (idx >= 0) & (idx < src.num_slots)
       ks = src.load(kv_refs, jnp.where(valid, idx, 0), valid)
       s = None
-      for qp, (kp, cs) in zip(qs, ks, strict=True):
+      for qp, kp in zip(qs, ks, strict=True):
         d = lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if cs is not None:
-          d = d * cs[None, :]
         s = d if s is None else s + d
       s = jnp.where(valid[None, :], s * scale_log2, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -136,13 +132,9 @@ def _sparse_mla_kernel(*refs, sources: Sequence[KVSource], topks: Sequence[int],
       p = jnp.exp2(s - m_use[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
       pb = p.astype(jnp.bfloat16)
-
-      def pv(j):
-        kp, cs = ks[j]
-        pj = pb if cs is None else (p * cs[None, :]).astype(jnp.bfloat16)
-        return jnp.dot(pj, kp, preferred_element_type=jnp.float32)
-
-      accs = tuple(a * alpha[:, None] + pv(j) for a, j in zip(accs, v_ids, strict=True))
+      accs = tuple(
+          a * alpha[:, None] + jnp.dot(pb, ks[j], preferred_element_type=jnp.float32)
+          for a, j in zip(accs, v_ids, strict=True))
       return m_new, l, accs
 
     carry = lax.fori_loop(0, (length + block_k - 1) // block_k, body, carry)
@@ -169,14 +161,13 @@ def _sparse_mla_kernel(*refs, sources: Sequence[KVSource], topks: Sequence[int],
 class KernelConfig:
   """Tuning knobs of the sparse MLA kernel (static).
 
-  ``scale_on_p``: fp8 formats apply the per-tile scale to the scores and
-  probabilities (``[block_h, block_k]``) instead of dequantizing the key tile.
+  ``block_h`` query heads per program (the fp32 accumulator ``[block_h, 512]``
+  must fit in registers: 64 with 8 warps), ``block_k`` gathered rows per step.
   """
   block_h: int = 64
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 2
-  scale_on_p: bool = False
 
 
 def run_sparse_mla(q: jax.Array, sets: Sequence[tuple[KVSource, jax.Array, jax.Array,
@@ -215,7 +206,9 @@ def run_sparse_mla(q: jax.Array, sets: Sequence[tuple[KVSource, jax.Array, jax.A
       interpret=interpret, name="sparse_mla")(*operands)
 
 
-PREFILL_CONFIG = KernelConfig()  # measured best on an H100 (benchmarks/bench_sparse_mla.py)
+# Best measured on an H100 (benchmarks/bench_sparse_mla.py): 217 TFLOP/s on the V3.2 row
+# vs 208 with 2 stages; 16 warps, block_k 32 and block_h 128 were slower or did not fit.
+PREFILL_CONFIG = KernelConfig(num_stages=3)
 
 
 def sparse_mla_prefill_pallas(q, kv, indices, attn_sink, topk_length, *, sm_scale: float,
