@@ -19,15 +19,18 @@ install: $(VENV)/.installed
 test: install
 	JAX_PLATFORMS=cpu $(VPY) -m pytest -q -n 2 tests
 
-# GPU suite (device machine): the same tests compiled for the GPU plus @pytest.mark.gpu ones.
+# GPU suite (device machine, its own python with jax[cuda] and torch): the same tests
+# compiled for the GPU, plus the @pytest.mark.gpu ones. The bridge's CPU-tensor tests
+# stay on the CPU suite: on a GPU machine `implementation=None` picks Pallas for them.
 test-gpu:
-	$(PY) -m pytest -q tests -m "gpu or not gpu"
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q tests --ignore=tests/test_torch_bridge.py
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q tests/test_torch_bridge.py -m gpu
 
 demo:
 	@if [ -x $(VPY) ]; then $(VPY) -m jax_mla.demo; else $(PY) -m jax_mla.demo; fi
 
 bench:
-	$(PY) -m benchmarks.run --out benchmarks/out
+	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.run --out benchmarks/out
 
 lint: install
 	$(VENV)/bin/ruff check jax_mla torch_bridge tests benchmarks

@@ -579,15 +579,15 @@ def gather_dequantize(kv_cache: jax.Array, slots: jax.Array, *, kv_cache_dtype: 
   nb, bs, width = kv_cache.shape
   s = jnp.clip(slots, 0, nb * bs - 1)
   if kv_cache_dtype == "fp8_model1":
-    # Token data and scales live in different regions of the block: two
-    # gathers from the flat byte view, no copy of the cache.
-    flat = kv_cache.reshape(-1)
-    block_base = (s // bs) * (bs * width)
-    offset = s % bs
-    data_at = block_base + offset * MODEL1_DATA_BYTES
-    scale_at = block_base + bs * MODEL1_DATA_BYTES + offset * MODEL1_SCALE_BYTES
-    data = flat[data_at[..., None] + jnp.arange(MODEL1_DATA_BYTES)]
-    scales = flat[scale_at[..., None] + jnp.arange(MODEL1_SCALE_BYTES)]
+    # Token data and scales live in different regions of the block: two gathers,
+    # no copy of the cache.
+    # (block, byte-in-block) gathers: a flat byte index would pass 2**31 on caches
+    # of 2 GiB and more.
+    blocks = kv_cache.reshape(nb, bs * width)
+    block, offset = (s // bs)[..., None], (s % bs)[..., None]
+    data = blocks[block, offset * MODEL1_DATA_BYTES + jnp.arange(MODEL1_DATA_BYTES)]
+    scales = blocks[block, bs * MODEL1_DATA_BYTES + offset * MODEL1_SCALE_BYTES
+                    + jnp.arange(MODEL1_SCALE_BYTES)]
     return decode_model1(data, scales)
   rows = kv_cache.reshape(nb * bs, width)[s]
   if kv_cache_dtype == "fp8_ds_mla":
