@@ -4,7 +4,10 @@ The kernels are tiny, so a loop of calls measures host dispatch: the JAX figure
 is one jitted call, the torch figure adds the DLPack hand-offs and the stream
 fences. Also times bare ``to_jax`` / ``to_torch`` per tensor.
 
-  PYTHONPATH=$PWD python3 benchmarks/bench_bridge_overhead.py [--impl pallas|xla]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_bridge_overhead [--impl pallas|xla]
+
+``run()`` reports each op from torch against the same op from JAX (ratio = JAX /
+torch time, so 1.0 means the bridge adds nothing) and the bare conversions.
 """
 
 from __future__ import annotations
@@ -19,12 +22,19 @@ import numpy as np
 import torch
 
 import jax_mla
+from benchmarks.harness import Row
 from jax_mla import cache as jcache
 from jax_mla import sparse_mla
 from torch_bridge import _interop, ops, to_jax, to_torch
 
 
 def per_call_us(fn, sync, calls=2000, reps=7):
+  """Host wall time per call of ``fn`` over a loop of calls, one ``sync`` at the end.
+
+  Not ``harness.time_us``: the subject is the host cost of each Python-level call
+  (DLPack hand-offs, stream fences, dispatch), which one jitted program over many
+  input sets would remove; the kernels are tiny so the loop is host-bound.
+  """
   for _ in range(50):
     fn()
   sync()
@@ -64,13 +74,12 @@ def primitive_costs(dev, sync):
   return [(name, per_call_us(fn, sync, calls=1000, reps=5)) for name, fn in rows]
 
 
-def main():
-  p = argparse.ArgumentParser()
-  p.add_argument("--impl", default=None, choices=[None, "pallas", "xla"])
-  args = p.parse_args()
+def measure(impl=None, calls=2000, reps=7):
+  """(op rows [(name, jax us, torch us)], to_jax us, to_torch us, primitive costs)."""
   dev = "cuda" if torch.cuda.is_available() else "cpu"
   sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-  impl = {"implementation": args.impl} if args.impl else {}
+  impl = {"implementation": impl} if impl else {}
+  time_it = lambda fn, sync: per_call_us(fn, sync, calls=calls, reps=reps)
   rng = np.random.default_rng(0)
   rows = []
 
@@ -86,13 +95,13 @@ def main():
   jax_fn = lambda: jax_mla.mla_decode_paged(*jargs, sm_scale=0.04, **impl)
   torch_fn = lambda: ops.mla_decode_paged(q, kv, bt, sl, sm_scale=0.04, **impl)
   jsync = lambda: jax.block_until_ready(jax_fn())
-  tj = per_call_us(jax_fn, jsync)
-  tt = per_call_us(torch_fn, sync)
+  tj = time_it(jax_fn, jsync)
+  tt = time_it(torch_fn, sync)
   rows.append(("mla_decode_paged b4 h16 (4 in, 2 out)", tj, tt))
   meta, _ = ops.get_mla_metadata()
   k4 = kv.unsqueeze(2)
   drop = lambda: ops.flash_mla_with_kvcache(q, k4, bt, sl, 512, meta, softmax_scale=0.04)
-  rows.append(("flash_mla_with_kvcache dense drop-in", tj, per_call_us(drop, sync)))
+  rows.append(("flash_mla_with_kvcache dense drop-in", tj, time_it(drop, sync)))
 
   # Sparse decode, fp8_ds_mla, topk 64.
   x = jnp.asarray(rng.normal(size=(nb, bs, 576)), jnp.bfloat16)
@@ -102,18 +111,37 @@ def main():
   sjargs = [to_jax(q), cache_j, to_jax(idx)]
   sjax = lambda: sparse_mla.sparse_mla_decode(*sjargs, sm_scale=0.04, **impl)
   stor = lambda: ops.sparse_mla_decode(q, cache_t, idx, sm_scale=0.04, **impl)
-  tj = per_call_us(sjax, lambda: jax.block_until_ready(sjax()))
-  rows.append(("sparse_mla_decode fp8_ds_mla topk64 (3 in, 2 out)", tj, per_call_us(stor, sync)))
+  tj = time_it(sjax, lambda: jax.block_until_ready(sjax()))
+  rows.append(("sparse_mla_decode fp8_ds_mla topk64 (3 in, 2 out)", tj, time_it(stor, sync)))
 
   # Bare conversions.
   a = jnp.ones((64, 64), jnp.float32) if dev == "cpu" else jax.device_put(
       jnp.ones((64, 64), jnp.float32), jax.devices("gpu")[0])
   t = torch.ones(64, 64, device=dev)
-  t_to_jax = per_call_us(lambda: to_jax(t), sync)
-  t_to_torch = per_call_us(lambda: to_torch(a), sync)
+  t_to_jax = time_it(lambda: to_jax(t), sync)
+  t_to_torch = time_it(lambda: to_torch(a), sync)
+  return rows, t_to_jax, t_to_torch, primitive_costs(dev, sync)
 
-  prims = primitive_costs(dev, sync)
 
+def run(impl=None, calls=2000, reps=7) -> list[Row]:
+  """Per-call time of each op from torch (anchor: the same op from JAX) and of the
+  bare conversions (no anchor)."""
+  rows, t_to_jax, t_to_torch, _ = measure(impl, calls, reps)
+  dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+  out = [Row("torch bridge", name, tt, tt, "us", tj, "same op from JAX", dev)
+         for name, tj, tt in rows]
+  out += [Row("torch bridge", "to_jax per 64x64 tensor", t_to_jax, t_to_jax, "us", None, "", dev),
+          Row("torch bridge", "to_torch per 64x64 tensor", t_to_torch, t_to_torch, "us", None,
+              "", dev)]
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--impl", default=None, choices=[None, "pallas", "xla"])
+  args = p.parse_args()
+  rows, t_to_jax, t_to_torch, prims = measure(args.impl)
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
   print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; jax "
         f"{jax.__version__}, torch {torch.__version__}; fast DLPack path: {_interop._FAST}; "
         f"implementation: {args.impl or 'default'}")

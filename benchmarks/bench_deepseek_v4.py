@@ -1,6 +1,6 @@
 """DeepSeek V4 attention layer (``jax_mla.backends.deepseek_v4``) on the GPU.
 
-  PYTHONPATH=$PWD python3 benchmarks/bench_deepseek_v4.py [--rows NAME,...]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_deepseek_v4 [--rows NAME,...]
 
 Times the layer path (index helpers + workspace gathers + sparse-MLA kernels) on
 the V4 rows of BENCHMARKS.md, and the bare sparse-MLA kernel call on the same
@@ -152,21 +152,24 @@ def run_case(case: Case) -> list[Row]:
   return rows
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--rows", default=",".join(c.name for c in CASES))
-  args = ap.parse_args()
+def run(cases=CASES) -> list[Row]:
+  """Layer and bare-kernel rows of every case (a failing case is reported and skipped)."""
   rows = []
-  for case in CASES:
-    if case.name not in args.rows.split(","):
-      continue
+  for case in cases:
     try:
       rows += run_case(case)
       print(f"{case.name}: {rows[-2].time_us:.1f} us layer, {rows[-1].time_us:.1f} us kernel",
             flush=True)
     except Exception as e:  # report and go on with the other rows
       print(f"{case.name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-  print_table(rows)
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rows", default=",".join(c.name for c in CASES))
+  args = ap.parse_args()
+  print_table(run([c for c in CASES if c.name in args.rows.split(",")]))
   print(f"device: {device_name()}")
 
 

@@ -1,8 +1,11 @@
 """Dense MLA decode on the GPU: correctness vs the reference, then the BENCHMARKS.md rows.
 
-Run on the device machine: ``PYTHONPATH=$PWD python3 benchmarks/bench_mla_decode.py``.
-Timing: wall clock over many back-to-back jitted calls (asynchronous dispatch keeps
-the GPU busy), median of several rounds; the KV cache is far larger than L2.
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_mla_decode [--skip-check] [--sweep] [--memcheck]
+
+``run()`` (used by ``benchmarks.run``) times the public ``mla_decode_paged`` on the
+three FlashMLA dense-decode rows with ``harness.time_us`` (one cache, distinct
+queries and block tables per input set), after checking the timed call against
+the XLA reference. ``--sweep`` times tile configurations of the kernel entry.
 FLOPs follow FlashMLA: ``2 * b * s_q * h_q * seqlen * (576 + 512)``; bandwidth
 counts the KV bytes read once.
 """
@@ -10,27 +13,19 @@ counts the KV bytes read once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
 from jax_mla.dense_decode import api, mla_decode, mla_decode_paged
 from jax_mla.dense_decode import pallas as kern
 
 D = 576
-
-
-def _rel(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  if not np.isfinite(a).all():
-    return float("inf")
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _paged_inputs(key, b, s_q, h_q, seqlen, block_size, *, varlen=False, nan_tail=False):
@@ -66,7 +61,7 @@ def correctness():
       o, l = mla_decode_paged(q, cache, bt, seqs, causal=causal, implementation="pallas")
       ro, rl = mla_decode_paged(q, cache, bt, seqs, causal=causal, implementation="xla")
       lerr = float(np.nanmax(np.abs(np.asarray(l) - np.asarray(rl))))
-      rows.append((name, _rel(o, ro), lerr))
+      rows.append((name, rel_err(o, ro), lerr))
     except Exception as e:  # noqa: BLE001 - report every case
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       rows.append((name, float("inf"), float("inf")))
@@ -92,7 +87,7 @@ def correctness():
       o, l = mla_decode(q, cache, qo, kv_indptr, kv_indices, last, num_kv_splits=splits,
                         implementation="pallas", **kw)
       ro, rl = mla_decode(q, cache, qo, kv_indptr, kv_indices, last, implementation="xla", **kw)
-      rows.append((name, _rel(o, ro), float(np.max(np.abs(np.asarray(l) - np.asarray(rl))))))
+      rows.append((name, rel_err(o, ro), float(np.max(np.abs(np.asarray(l) - np.asarray(rl))))))
     except Exception as e:  # noqa: BLE001 - report every case
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       rows.append((name, float("inf"), float("inf")))
@@ -105,78 +100,93 @@ def correctness():
   return ok
 
 
-def _time(fn, *args, reps=20, rounds=3):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  out = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      r = fn(*args)
-    jax.block_until_ready(r)
-    out.append((time.perf_counter() - t0) / reps)
-  return statistics.median(out)
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  b: int
+  s_q: int
+  h_q: int
+  seqlen: int
+  block_size: int
+  anchor: float  # FlashMLA, in `unit`
+  unit: str  # "TFLOP/s" for the compute-bound rows, "TB/s" for the memory-bound one
 
 
-def bench():
-  print(f"\n== benchmarks ({jax.devices()[0].device_kind}, SMs {kern.num_sms()}) ==")
+CASES = [  # BENCHMARKS.md, FlashMLA dense decode bf16
+    Case("b128 s_q1 h128 len4096 bs64", 128, 1, 128, 4096, 64, 554.0, "TFLOP/s"),
+    Case("b64 s_q2 h128 len8192 bs64", 64, 2, 128, 8192, 64, 628.0, "TFLOP/s"),
+    Case("b132 s_q1 h16 len8192 bs64", 132, 1, 16, 8192, 64, 2.75, "TB/s"),
+]
+
+
+def _case_sets(case: Case):
+  """One cache (far larger than L2) and distinct (q, block table) pairs reading it."""
+  q, cache, bt, seqs = _paged_inputs(jax.random.PRNGKey(1), case.b, case.s_q, case.h_q,
+                                     case.seqlen, case.block_size)
+  sets = [(q, cache, bt, seqs)]
+  for i in range(1, n_sets(q.nbytes + bt.nbytes)):
+    kq, kp = jax.random.split(jax.random.PRNGKey(100 + i))
+    sets.append((jax.random.normal(kq, q.shape, jnp.float32).astype(q.dtype) / 10, cache,
+                 jax.random.permutation(kp, bt.size).reshape(bt.shape).astype(jnp.int32), seqs))
+  flops = 2 * case.b * case.s_q * case.h_q * case.seqlen * (576 + 512)
+  kv_bytes = case.b * case.seqlen * D * 2
+  return sets, flops, kv_bytes
+
+
+def run(cases=CASES) -> list[Row]:
+  """The BENCHMARKS.md dense-decode rows through the public ``mla_decode_paged``."""
+  dev = device_name()
   rows = []
-  cases = [
-      ("b128 s_q1 h128 len4096 bs64", 128, 1, 128, 4096, 64, 554.0, None),
-      ("b64 s_q2 h128 len8192 bs64", 64, 2, 128, 8192, 64, 628.0, None),
-      ("b132 s_q1 h16 len8192 bs64", 132, 1, 16, 8192, 64, None, 2.75),
-  ]
-  for name, b, s_q, h_q, seqlen, bs, anchor_tf, anchor_tb in cases:
-    q, cache, bt, seqs = _paged_inputs(jax.random.PRNGKey(1), b, s_q, h_q, seqlen, bs)
-    flops = 2 * b * s_q * h_q * seqlen * (576 + 512)
-    kv_bytes = b * seqlen * D * 2
+  for case in cases:
+    sets, flops, kv_bytes = _case_sets(case)
+    fn = jax.jit(lambda q, c, bt, s: mla_decode_paged(q, c, bt, s))
+    got = fn(*sets[0])
+    ref = mla_decode_paged(*sets[0], implementation="xla")
+    check_close(f"mla_decode_paged {case.name}", got[0], ref[0])
+    us = time_us(fn, sets)
+    figure = flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
+    rows.append(Row("mla_decode_paged", case.name, us, figure, case.unit, case.anchor,
+                    "FlashMLA", dev))
+    del sets
+  return rows
+
+
+def sweep(cases=CASES):
+  """Tile configurations of the kernel entry on each row (for tuning; prints a line each)."""
+  print(f"\n== tile sweep ({device_name()}, SMs {kern.num_sms()}) ==")
+  for case in cases:
+    sets, flops, kv_bytes = _case_sets(case)
+    h_q, s_q, bs = case.h_q, case.s_q, case.block_size
     rows_per_group = s_q * h_q
-    meta = api.paged_groups(bt, seqs, s_q=s_q, page_size=bs)
-    q2d = q.reshape(-1, D)
-    kv2d = cache.reshape(-1, D)
     scales = kern.kernel_scales(D**-0.5)
+    kern_sets = [(q.reshape(-1, D), c.reshape(-1, D),
+                  api.paged_groups(bt, s, s_q=s_q, page_size=bs), bt.reshape(-1), scales)
+                 for q, c, bt, s in sets]
     auto_bm = kern.default_block_m(rows_per_group)
     auto_bn, auto_w, auto_st = kern.default_config(auto_bm)
-    auto_s = kern.default_num_splits(b * -(-rows_per_group // auto_bm), seqlen, block_m=auto_bm,
-                                     block_n=auto_bn)
-    sweep = [(auto_bm, auto_bn, auto_w, auto_st, auto_s)]
+    auto_s = kern.default_num_splits(case.b * -(-rows_per_group // auto_bm), case.seqlen,
+                                     block_m=auto_bm, block_n=auto_bn)
+    configs = [(auto_bm, auto_bn, auto_w, auto_st, auto_s)]
     if auto_bm >= 64:
-      sweep += [(64, 64, 8, 1, auto_s), (64, 32, 8, 3, auto_s), (32, 64, 4, 2, auto_s),
-                (64, 32, 8, 2, 2 * auto_s)]
+      configs += [(64, 64, 8, 1, auto_s), (64, 32, 8, 3, auto_s), (32, 64, 4, 2, auto_s),
+                  (64, 32, 8, 2, 2 * auto_s)]
     else:
-      sweep += [(16, 64, 4, 2, auto_s), (16, 64, 4, 3, auto_s), (16, 64, 4, 2, 2 * auto_s),
-                (16, 32, 4, 3, 4 * auto_s), (16, 128, 4, 1, auto_s)]
-    for bm, bn, nw, ns, splits in sweep:
-      fn = jax.jit(functools.partial(
+      configs += [(16, 64, 4, 2, auto_s), (16, 64, 4, 3, auto_s), (16, 64, 4, 2, 2 * auto_s),
+                  (16, 32, 4, 3, 4 * auto_s), (16, 128, 4, 1, auto_s)]
+    for bm, bn, nw, ns, splits in configs:
+      fn = functools.partial(
           kern.paged_mla_decode, h_q=h_q, rows_per_group=rows_per_group, page_size=bs,
           causal=False, num_splits=splits, block_m=bm, block_n=bn, num_warps=nw,
-          num_stages=ns, out_dtype=jnp.bfloat16, interpret=False))
+          num_stages=ns, out_dtype=jnp.bfloat16, interpret=False)
       try:
-        t = _time(fn, q2d, kv2d, meta, bt.reshape(-1), scales)
+        us = time_us(fn, kern_sets)
       except Exception as e:  # noqa: BLE001 - report and go on with the sweep
-        print(f"{name} bm{bm} bn{bn} w{nw} st{ns} S{splits}: FAILED {type(e).__name__}: "
+        print(f"{case.name} bm{bm} bn{bn} w{nw} st{ns} S{splits}: FAILED {type(e).__name__}: "
               f"{str(e)[:200]}")
         continue
-      tf, tb = flops / t / 1e12, kv_bytes / t / 1e12
-      print(f"{name:30s} bm{bm:3d} bn{bn:3d} w{nw} st{ns} S{splits:2d}: {t*1e6:8.1f} us "
-            f"{tf:6.1f} TFLOP/s {tb:5.2f} TB/s", flush=True)
-      rows.append((name, (bm, bn, nw, ns, splits), t, tf, tb, anchor_tf, anchor_tb))
-    # The public entry point (metadata + heuristics included).
-    pub = jax.jit(lambda q, c, bt, s: mla_decode_paged(q, c, bt, s))
-    t = _time(pub, q, cache, bt, seqs)
-    print(f"{name:30s} public mla_decode_paged: {t*1e6:8.1f} us {flops/t/1e12:6.1f} TFLOP/s "
-          f"{kv_bytes/t/1e12:5.2f} TB/s", flush=True)
-    rows.append((name, "public", t, flops / t / 1e12, kv_bytes / t / 1e12, anchor_tf, anchor_tb))
-  print("\n== summary (best config per row, and the public API) ==")
-  for name in dict.fromkeys(r[0] for r in rows):
-    mine = [r for r in rows if r[0] == name]
-    best = min(mine, key=lambda r: r[2])
-    pub = [r for r in mine if r[1] == "public"][0]
-    for tag, r in (("best", best), ("public", pub)):
-      anchor = (f"{r[3]/r[5]:.2f}x of FlashMLA {r[5]:.0f} TFLOP/s" if r[5] else
-                f"{r[4]/r[6]:.2f}x of FlashMLA {r[6]:.2f} TB/s")
-      print(f"{name:30s} {tag:6s} {str(r[1]):24s} {r[2]*1e6:8.1f} us {r[3]:6.1f} TFLOP/s "
-            f"{r[4]:5.2f} TB/s  {anchor}")
+      print(f"{case.name:30s} bm{bm:3d} bn{bn:3d} w{nw} st{ns} S{splits:2d}: {us:8.1f} us "
+            f"{flops / us / 1e6:6.1f} TFLOP/s {kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
+    del sets, kern_sets
 
 
 def memcheck_case():
@@ -197,13 +207,16 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--skip-check", action="store_true")
   p.add_argument("--memcheck", action="store_true", help="run one small case and exit")
+  p.add_argument("--sweep", action="store_true", help="also time tile configurations")
   args = p.parse_args()
   print(jax.devices(), jax.__version__)
   if args.memcheck:
     memcheck_case()
     return 0
   ok = True if args.skip_check else correctness()
-  bench()
+  if args.sweep:
+    sweep()
+  print_table(run())
   return 0 if ok else 1
 
 

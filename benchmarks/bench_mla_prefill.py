@@ -1,25 +1,33 @@
-"""mla_prefill on the GPU: correctness vs the reference, then TFLOP/s over a tile sweep.
+"""mla_prefill on the GPU: correctness vs the reference, then TFLOP/s.
 
-Run on the device machine:
-``PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/bench_mla_prefill.py``.
+  PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 -m benchmarks.bench_mla_prefill [--sweep]
+
 FLOPs = 2 * (visible q-k pairs) * H * (d_qk + d_v); causal pairs per sequence L(L+1)/2.
-The anchor is torch's scaled_dot_product_attention on the same shapes (whichever
-backend torch picks for d_qk 192 / d_v 128), when torch is importable.
+BENCHMARKS.md has no dense-prefill anchor: the anchor is torch's
+scaled_dot_product_attention on the same shapes (whichever backend torch picks for
+d_qk 192 / d_v 128), when torch is importable. ``run()`` times the public
+``mla_prefill``; ``--sweep`` times tile configurations of the kernel entry.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import Row, device_name, print_table, rel_err, time_us
 from jax_mla.dense_prefill import mla_prefill
 from jax_mla.dense_prefill.kernel import mla_prefill_pallas
 
 D_QK, D_V = 192, 128
-T0 = time.time()
+# Calls take milliseconds, so dispatch does not matter and the inputs (GBs) overflow
+# L2 by themselves: a few distinct query sets (sharing K and V) are enough.
+NUM_SETS = 4
 
 
 def _cu(lens):
@@ -35,15 +43,8 @@ def _inputs(len_q, len_k, heads, seed=0, tail_q=0):
   return q, k, v, _cu(len_q), _cu(len_k)
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  fin = np.isfinite(b)
-  if np.isnan(a).any() or not np.array_equal(np.isposinf(a), np.isposinf(b)):
-    return float("inf")
-  return float(np.linalg.norm((a - b)[fin]) / max(np.linalg.norm(b[fin]), 1e-30))
-
-
-def check():
+def check() -> bool:
+  """Pallas vs the XLA reference on ragged batches; prints a line each, returns all-OK."""
   rows = []
   for len_q, len_k, heads in [([700, 1, 0, 333, 1024], [900, 1, 5, 333, 1024], 8),
                               ([2048, 17], [2048, 4000], 16)]:
@@ -54,24 +55,14 @@ def check():
       out, lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="pallas", **kw)
       ref, ref_lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="xla", **kw)
       rows.append((f"lens_q={len_q} lens_k={len_k} H={heads} causal={causal}",
-                   _rel(out.astype(jnp.float32), ref.astype(jnp.float32)), _rel(lse, ref_lse)))
+                   rel_err(out, ref), rel_err(lse, ref_lse)))
   print("correctness (rel err vs xla reference, bf16):")
+  ok = True
   for name, e_out, e_lse in rows:
-    ok = "OK" if e_out < 1e-2 and e_lse < 1e-3 else "FAIL"
-    print(f"  {name}: out {e_out:.2e} lse {e_lse:.2e} {ok}")
-
-
-def _time(fn, reps=20):
-  jax.block_until_ready(fn())
-  try:
-    import triton.testing
-    return triton.testing.do_bench(lambda: jax.block_until_ready(fn()), warmup=50, rep=300,
-                                   return_mode="median") * 1e-3
-  except ImportError:
-    t = time.perf_counter()
-    for _ in range(reps):
-      jax.block_until_ready(fn())
-    return (time.perf_counter() - t) / reps
+    good = e_out < 1e-2 and e_lse < 1e-3
+    ok &= good
+    print(f"  {name}: out {e_out:.2e} lse {e_lse:.2e} {'OK' if good else 'FAIL'}")
+  return ok
 
 
 def _flops(len_q, len_k, heads, causal):
@@ -80,74 +71,103 @@ def _flops(len_q, len_k, heads, causal):
   return 2 * pairs * heads * (D_QK + D_V)
 
 
-def _sweep(name, len_q, len_k, causal, heads, configs):
-  q, k, v, cu_q, cu_k = _inputs(len_q, len_k, heads)
-  flops = _flops(len_q, len_k, heads, causal)
-  best = None
-  for bq, bk, warps, stages in configs:
-    if time.time() - T0 > 150:
-      print("  (time budget reached, sweep cut)")
-      break
-    f = jax.jit(lambda q, k, v, bq=bq, bk=bk, warps=warps, stages=stages: mla_prefill_pallas(
-        q, k, v, cu_q, cu_k, max_seqlen_q=max(len_q), sm_scale=D_QK**-0.5, causal=causal,
-        block_q=bq, block_k=bk, num_warps=warps, num_stages=stages))
-    try:
-      sec = _time(lambda f=f: f(q, k, v))
-    except Exception as e:  # noqa: BLE001 - report and continue the sweep
-      print(f"  {name} bq={bq} bk={bk} w={warps} s={stages}: FAILED {type(e).__name__}: "
-            f"{str(e)[:300]}")
-      continue
-    tf = flops / sec / 1e12
-    print(f"  {name} bq={bq} bk={bk} w={warps} s={stages}: {sec * 1e3:.2f} ms {tf:.0f} TFLOP/s")
-    if best is None or tf > best[1]:
-      best = ((bq, bk, warps, stages), tf, sec)
-  return best, flops
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  len_q: tuple[int, ...]
+  len_k: tuple[int, ...]
+  causal: bool
+  heads: int = 128
 
 
-def bench():
-  heads = 128
+CASES = [
+    Case("8 x 4096 causal", (4096,) * 8, (4096,) * 8, True),
+    Case("8 x 4096 q vs 4096 ctx, non-causal", (4096,) * 8, (4096,) * 8, False),
+]
+
+
+def _case_sets(case: Case):
+  q, k, v, cu_q, cu_k = _inputs(case.len_q, case.len_k, case.heads)
+  qs = [q] + [jax.random.normal(jax.random.key(10 + i), q.shape, q.dtype)
+              for i in range(1, NUM_SETS)]
+  return [(x, k, v, cu_q, cu_k) for x in qs]
+
+
+def run(cases=CASES, *, anchor: bool = True) -> list[Row]:
+  """The public ``mla_prefill`` (default tiles) on each case, torch SDPA as the anchor."""
+  dev = device_name()
+  rows = []
+  for case in cases:
+    sets = _case_sets(case)
+    fn = lambda q, k, v, cu_q, cu_k, case=case: mla_prefill(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q), max_seqlen_k=max(case.len_k),
+        sm_scale=D_QK**-0.5, causal=case.causal)
+    us = time_us(fn, sets, reps=10)
+    flops = _flops(case.len_q, case.len_k, case.heads, case.causal)
+    sdpa = _torch_anchor(case, flops) if anchor else None
+    rows.append(Row("mla_prefill", f"{case.name}, H {case.heads}", us, flops / us / 1e6,
+                    "TFLOP/s", sdpa, "torch SDPA" if sdpa else "", dev))
+    del sets
+  return rows
+
+
+def sweep(cases=CASES, budget_s: float = 150.0):
+  """Tile configurations of the kernel entry (for tuning; prints a line each)."""
+  t0 = time.time()
   configs = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
              (128, 128, 8, 2), (64, 32, 4, 2)]
-  results = []
-  for name, len_q, len_k, causal in [("8 x 4096 causal", [4096] * 8, [4096] * 8, True),
-                                     ("8 x 4096 q vs 4096 ctx, non-causal", [4096] * 8,
-                                      [4096] * 8, False)]:
-    best, flops = _sweep(name, len_q, len_k, causal, heads, configs)
-    results.append((name, best, _torch_anchor(len_q, len_k, heads, causal, flops)))
-  return results
+  for case in cases:
+    sets = _case_sets(case)
+    flops = _flops(case.len_q, case.len_k, case.heads, case.causal)
+    for bq, bk, warps, stages in configs:
+      if time.time() - t0 > budget_s:
+        print("  (time budget reached, sweep cut)")
+        return
+      fn = lambda q, k, v, cu_q, cu_k, bq=bq, bk=bk, warps=warps, stages=stages, case=case: (
+          mla_prefill_pallas(q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q),
+                             sm_scale=D_QK**-0.5, causal=case.causal, block_q=bq, block_k=bk,
+                             num_warps=warps, num_stages=stages))
+      try:
+        us = time_us(fn, sets, reps=10)
+      except Exception as e:  # noqa: BLE001 - report and continue the sweep
+        print(f"  {case.name} bq={bq} bk={bk} w={warps} s={stages}: FAILED "
+              f"{type(e).__name__}: {str(e)[:300]}")
+        continue
+      print(f"  {case.name} bq={bq} bk={bk} w={warps} s={stages}: {us / 1e3:.2f} ms "
+            f"{flops / us / 1e6:.0f} TFLOP/s", flush=True)
+    del sets
 
 
-def _torch_anchor(len_q, len_k, heads, causal, flops):
+def _torch_anchor(case: Case, flops) -> float | None:
+  """torch SDPA TFLOP/s on the same (equal-length) shapes. A torch op on torch's stream,
+  so triton's event timer brackets it correctly (unlike a JAX call)."""
   try:
     import torch
     import torch.nn.functional as F
-    b, lq, lk = len(len_q), len_q[0], len_k[0]
-    q = torch.randn(b, heads, lq, D_QK, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, heads, lk, D_QK, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, heads, lk, D_V, device="cuda", dtype=torch.bfloat16)
     import triton.testing
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    b, lq, lk = len(case.len_q), case.len_q[0], case.len_k[0]
+    q = torch.randn(b, case.heads, lq, D_QK, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, case.heads, lk, D_QK, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, case.heads, lk, D_V, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
     sec = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-    return flops / sec / 1e12, sec
+    return flops / sec / 1e12
   except Exception as e:  # noqa: BLE001 - the anchor is optional
     print(f"  torch anchor unavailable: {type(e).__name__}: {str(e)[:200]}")
     return None
 
 
 def main():
-  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  check()
-  results = bench()
-  print("\nconfig | best tile (bq, bk, warps, stages) | ms | ours TFLOP/s | torch SDPA TFLOP/s"
-        " | ratio")
-  for name, best, anchor in results:
-    if best is None:
-      print(f"{name} | failed | - | - | - | -")
-      continue
-    a = f"{anchor[0]:.0f}" if anchor else "-"
-    r = f"{best[1] / anchor[0]:.2f}" if anchor else "-"
-    print(f"{name} | {best[0]} | {best[2] * 1e3:.2f} | {best[1]:.0f} | {a} | {r}")
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sweep", action="store_true", help="also time tile configurations")
+  args = ap.parse_args()
+  print(f"device: {device_name()}, jax {jax.__version__}")
+  ok = check()
+  if args.sweep:
+    sweep()
+  print_table(run())
+  return 0 if ok else 1
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

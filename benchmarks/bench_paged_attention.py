@@ -4,26 +4,29 @@ Rows: 128 seqs, Hq 64, Hkv 8, D 128, block 16, len 4096 (vLLM 5-D K cache and
 [nb, Hkv, D, bs] V cache), bf16 / fp8 K+V / sinks + sliding window 1024, plus a
 few-long-sequences row that shows the KV split. Bandwidth counts the K and V
 bytes that must be read once (only the window for the windowed row): 2.15 GB for
-the bf16 row (BENCHMARKS.md's 0.91 TB/s for the seed counts half of that).
+the bf16 row (BENCHMARKS.md's 0.91 TB/s for the seed counts half of that), against
+device-to-device copy (3.0 TB/s on the H100).
 
-  PYTHONPATH=$PWD python3 benchmarks/bench_paged_attention.py [--sweep]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_paged_attention [--sweep]
+
+``run()`` times the public ``paged_attention`` (library defaults) with
+``harness.time_us``: one cache, distinct queries and block tables per input set.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, time_us
 from jax_mla.paged import paged_attention
 from jax_mla.paged.pallas import paged_attention_pallas
 from jax_mla.paged.reference import key_view, value_view
 
-SEED_US = {"bf16": 1176.0, "fp8": 1443.0, "sink_window": 1182.0}
 COPY_TBS = 3.0
 
 
@@ -43,9 +46,46 @@ def make_inputs(num_seqs, seq_len, *, hq=64, hkv=8, d=128, bs=16, fp8=False, see
   return q, kc, vc, bt, sl, sinks
 
 
+def input_sets(args):
+  """``args`` plus distinct (query, block table) pairs over the same caches."""
+  q, kc, vc, bt, sl, sinks = args
+  sets = [args]
+  for i in range(1, n_sets(q.nbytes + bt.nbytes)):
+    kq, kp = jax.random.split(jax.random.PRNGKey(100 + i))
+    sets.append((jax.random.normal(kq, q.shape, q.dtype), kc, vc,
+                 jax.random.permutation(kp, bt.size).astype(jnp.int32).reshape(bt.shape), sl,
+                 sinks))
+  return sets
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  name: str
+  num_seqs: int
+  seq_len: int
+  fp8: bool = False
+  window: int = 0
+  sinks: bool = False
+  seed_us: float | None = None  # the seed Triton kernel (BENCHMARKS.md)
+
+  @property
+  def k_scale(self) -> float:
+    return 0.5 if self.fp8 else 1.0
+
+  def kv_bytes(self, itemsize: int) -> int:
+    return 2 * self.num_seqs * 8 * 128 * min(self.seq_len, self.window or self.seq_len) * itemsize
+
+
+WORKLOADS = [
+    Workload("bf16", 128, 4096, seed_us=1176.0),
+    Workload("fp8", 128, 4096, fp8=True, seed_us=1443.0),
+    Workload("sink_window", 128, 4096, window=1024, sinks=True, seed_us=1182.0),
+    Workload("long4x64k", 4, 65536),  # few long sequences: the KV split fills the GPU
+]
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_fn(block_n, num_warps, num_stages, splits, window, with_sinks, k_scale):
-  @jax.jit
   def f(q, kc, vc, bt, sl, sinks):
     return paged_attention_pallas(
         q, key_view(kc), value_view(vc, dim_major=True), bt, sl, scale=q.shape[-1] ** -0.5,
@@ -55,37 +95,64 @@ def kernel_fn(block_n, num_warps, num_stages, splits, window, with_sinks, k_scal
   return f
 
 
-def time_us(fn, args, reps=30):
-  """(loop, do_bench) microseconds: back-to-back async calls, and triton's median."""
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  loop = (time.perf_counter() - t0) / reps * 1e6
-  try:
-    import triton.testing
-    db = 1e3 * triton.testing.do_bench(lambda: jax.block_until_ready(fn(*args)), warmup=25,
-                                       rep=150, return_mode="median")
-  except ImportError:
-    db = float("nan")
-  return loop, db
+def public_fn(w: Workload):
+  def f(q, kc, vc, bt, sl, sinks):
+    return paged_attention(q, kc, vc, bt, sl, scale=q.shape[-1] ** -0.5, k_scale=w.k_scale,
+                           v_scale=w.k_scale, sinks=sinks if w.sinks else None,
+                           sliding_window=w.window)
+  return f
 
 
-def reference(args, window, with_sinks, k_scale, n=4):
-  """XLA reference output of the first n sequences."""
+def reference(w: Workload, args, n=4):
+  """XLA reference output of the first n sequences (the whole call would not fit)."""
   q, kc, vc, bt, sl, sinks = args
-  out = paged_attention(q[:n], kc, vc, bt[:n], sl[:n], scale=q.shape[-1] ** -0.5,
-                        k_scale=k_scale, v_scale=k_scale, sinks=sinks if with_sinks else None,
-                        sliding_window=window, implementation="xla")
-  return np.asarray(out, np.float64)
+  return paged_attention(q[:n], kc, vc, bt[:n], sl[:n], scale=q.shape[-1] ** -0.5,
+                         k_scale=w.k_scale, v_scale=w.k_scale, sinks=sinks if w.sinks else None,
+                         sliding_window=w.window, implementation="xla")
 
 
-def rel_err(out, ref):
-  out = np.asarray(out[:ref.shape[0]], np.float64)
-  if not np.isfinite(out).all():
-    return float("inf")
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+def run(workloads=WORKLOADS) -> list[Row]:
+  """Each workload through the public op, checked on its first sequences, then timed:
+  one row against the seed Triton time, one against copy bandwidth."""
+  dev = device_name()
+  rows = []
+  for w in workloads:
+    args = make_inputs(w.num_seqs, w.seq_len, fp8=w.fp8)
+    fn = public_fn(w)
+    ref = reference(w, args)
+    check_close(f"paged_attention {w.name}", jax.jit(fn)(*args)[:ref.shape[0]], ref)
+    us = time_us(fn, input_sets(args))
+    config = f"{w.name}: {w.num_seqs} seqs x {w.seq_len}"
+    if w.seed_us is not None:
+      rows.append(Row("paged_attention", config, us, us, "us", w.seed_us, "seed Triton", dev))
+    rows.append(Row("paged_attention", f"{config} (K+V bandwidth)", us,
+                    w.kv_bytes(args[1].dtype.itemsize) / us / 1e6, "TB/s", COPY_TBS,
+                    "D2D copy", dev))
+    del args
+  return rows
+
+
+def sweep(workloads=WORKLOADS[:3]):
+  """Kernel configurations (block_n, warps, stages, splits) of each workload (for tuning)."""
+  configs = [(64, 4, 2, 1), (64, 4, 3, 1), (64, 4, 4, 1), (64, 8, 3, 1), (128, 4, 2, 1),
+             (128, 4, 3, 1), (128, 8, 3, 1), (32, 4, 3, 1), (32, 4, 4, 1), (64, 4, 3, 2),
+             (128, 4, 3, 2), (32, 4, 4, 2)]
+  for w in workloads:
+    args = make_inputs(w.num_seqs, w.seq_len, fp8=w.fp8)
+    sets = input_sets(args)
+    ref = reference(w, args)
+    kv_bytes = w.kv_bytes(args[1].dtype.itemsize)
+    for cfg in configs:
+      try:
+        fn = kernel_fn(*cfg, w.window, w.sinks, w.k_scale)
+        err = check_close(f"{w.name} {cfg}", jax.jit(fn)(*args)[:ref.shape[0]], ref)
+        us = time_us(fn, sets)
+      except Exception as e:  # keep sweeping past a config that fails (or is wrong)
+        print(f"{w.name} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      print(f"{w.name:12s} {str(cfg):20s} rel_err {err:.1e} {us:8.1f} us "
+            f"{kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
+    del args, sets
 
 
 def main():
@@ -93,56 +160,11 @@ def main():
   ap.add_argument("--sweep", action="store_true")
   a = ap.parse_args()
   dev = jax.devices()[0]
-  cores = getattr(dev, "core_count", "?")
-  print(f"device: {dev.device_kind}, cores {cores}, jax {jax.__version__}", flush=True)
-
-  configs = [(None, 4, None, None)]  # the library defaults
+  print(f"device: {dev.device_kind}, cores {getattr(dev, 'core_count', '?')}, "
+        f"jax {jax.__version__}", flush=True)
   if a.sweep:
-    configs = [(64, 4, 2, 1), (64, 4, 3, 1), (64, 4, 4, 1), (64, 8, 3, 1), (128, 4, 2, 1),
-               (128, 4, 3, 1), (128, 8, 3, 1), (32, 4, 3, 1), (32, 4, 4, 1), (64, 4, 3, 2),
-               (128, 4, 3, 2), (32, 4, 4, 2)]
-  rows = []
-  workloads = [
-      ("bf16", dict(fp8=False), 0, False, 1.0),
-      ("fp8", dict(fp8=True), 0, False, 0.5),
-      ("sink_window", dict(fp8=False), 1024, True, 1.0),
-  ]
-  for name, mk, window, with_sinks, k_scale in workloads:
-    args = make_inputs(128, 4096, **mk)
-    ref = reference(args, window, with_sinks, k_scale)
-    kv_bytes = 2 * 128 * 8 * 128 * min(4096, window or 4096) * args[1].dtype.itemsize
-    for cfg in configs:
-      try:
-        fn = kernel_fn(*cfg, window, with_sinks, k_scale)
-        err = rel_err(fn(*args), ref)
-        loop, db = time_us(fn, args)
-      except Exception as e:  # keep sweeping past a config that fails to compile
-        print(f"{name} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        continue
-      rows.append((name, cfg, err, loop, db, kv_bytes / (min(loop, db) * 1e-6) / 1e12))
-      print(rows[-1], flush=True)
-    del args
-
-  # Few long sequences: 4 x 65536 tokens, 32 (seq, kv head) pairs; the split fills the GPU.
-  args = make_inputs(4, 65536)
-  ref = reference(args, 0, False, 1.0, n=1)
-  kv_bytes = 2 * 4 * 8 * 128 * 65536 * 2
-  for splits in (1, None):
-    fn = jax.jit(functools.partial(paged_attention, scale=128 ** -0.5, num_kv_splits=splits))
-    err = rel_err(fn(*args[:5]), ref)
-    loop, db = time_us(fn, args[:5])
-    rows.append(("long4x64k", ("splits", splits), err, loop, db,
-                 kv_bytes / (min(loop, db) * 1e-6) / 1e12))
-    print(rows[-1], flush=True)
-
-  print("\nworkload     config(block_n,warps,stages,splits)   rel_err  loop_us  do_bench_us  "
-        "TB/s  vs_seed  %copy")
-  for name, cfg, err, loop, db, tbs in rows:
-    best = min(loop, db)
-    seed = SEED_US.get(name)
-    ratio = f"{seed / best:5.2f}x" if seed else "   - "
-    print(f"{name:12s} {str(cfg):36s} {err:8.1e} {loop:8.1f} {db:10.1f} {tbs:6.2f} {ratio} "
-          f"{100 * tbs / COPY_TBS:5.1f}")
+    sweep()
+  print_table(run())
 
 
 if __name__ == "__main__":

@@ -22,19 +22,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.harness import Row, device_name, n_sets, print_table, time_us
+from benchmarks.harness import Row, device_name, n_sets, print_table, rel_err, time_us
 from jax_mla.cache import quantize_fp8_ds_mla
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.sharding import head_parallel, request_parallel
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
-
-
-def _rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  ok = np.isfinite(b)
-  if not np.array_equal(np.isfinite(a), ok):
-    return float("inf")
-  return float(np.linalg.norm((a - b)[ok]) / max(np.linalg.norm(b[ok]), 1e-30))
 
 
 def _placer(mesh):
@@ -61,7 +53,7 @@ def _scaling_rows(name, config, fn, sets, *, flops, anchor, anchor_name, modes, 
     place = _placer(mesh)
     placed = [place(s, specs) for s in sets]
     out = jax.block_until_ready(jax.jit(wrapped)(*placed[0]))
-    err = max(_rel_err(o, r) for o, r in zip(jax.tree_util.tree_leaves(out),
+    err = max(rel_err(o, r) for o, r in zip(jax.tree_util.tree_leaves(out),
                                               jax.tree_util.tree_leaves(ref), strict=True))
     if not err < 1e-2:
       raise AssertionError(f"{name} {mode}: sharded output differs from one GPU (rel {err:.2e})")

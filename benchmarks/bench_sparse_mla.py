@@ -1,61 +1,74 @@
 """Sparse MLA on the GPU: correctness against the reference, then timing of the BENCHMARKS.md rows.
 
-  PYTHONPATH=$PWD python3 benchmarks/bench_sparse_mla.py [--check] [--bench ROWS] [--sweep]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_sparse_mla [--check] [--small] [--rows ROWS]
+      [--prefill-configs bh:bk:w:s,...] [--decode-configs ...]
 
+``run()`` (used by ``benchmarks.run``) times the public ``sparse_mla_prefill`` /
+``sparse_mla_decode`` (default tiles) on each FlashMLA row with ``harness.time_us``,
+after checking the timed call against the XLA reference. Given ``--*-configs``, the
+CLI times those tile configurations of the kernel entries instead (for tuning).
 FLOPs follow FlashMLA: ``2 * tokens * h_q * (topk [+ extra_topk]) * (d_qk + d_v)``.
-Timing: the jitted call dispatched ``n`` times back to back, then one
-``block_until_ready``; median over 5 such batches.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import dataclasses
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
 from jax_mla.cache.formats import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
 
-ANCHORS = {  # FlashMLA on H100 (BENCHMARKS.md), TFLOP/s
-    "prefill_v32": 623, "prefill_v32_131k": 546, "prefill_v4_h128": 571, "prefill_v4_h64": 458,
-    "decode_ds_b128": 395, "decode_ds_b128_1g": 395, "decode_ds_b64": 387,
-    "decode_m1_h128": 375, "decode_m1_h64": 229,
+# Prefill calls take milliseconds and their queries alone overflow L2: a few
+# distinct (q, indices) sets sharing the KV rows are enough.
+PREFILL_SETS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  s_q: int
+  h_q: int
+  topk: int
+  d_qk: int
+  s_kv: int
+  sink: bool
+  anchor: float  # FlashMLA TFLOP/s on the H100
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  dtype: str
+  b: int
+  s_q: int
+  h_q: int
+  topk: int
+  block_size: int
+  extra: int | None
+  extra_block_size: int | None
+  seqlen: int  # cache slots per request (main and extra cache each)
+  anchor: float  # FlashMLA TFLOP/s on the H100
+
+
+ROWS = {  # BENCHMARKS.md
+    "prefill_v32": Prefill(4096, 128, 2048, 576, 32768, True, 623.0),
+    "prefill_v32_131k": Prefill(4096, 128, 2048, 576, 131072, True, 546.0),
+    "prefill_v4_h128": Prefill(4096, 128, 1024, 512, 32768, False, 571.0),
+    "prefill_v4_h64": Prefill(4096, 64, 512, 512, 32768, False, 458.0),
+    "decode_ds_b128": Decode("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 32768, 395.0),
+    "decode_ds_b64": Decode("fp8_ds_mla", 64, 2, 128, 2048, 64, None, None, 32768, 387.0),
+    "decode_m1_h128": Decode("fp8_model1", 256, 2, 128, 128, 256, 1024, 64, 8192, 375.0),
+    "decode_m1_h64": Decode("fp8_model1", 256, 2, 64, 128, 256, 512, 64, 8192, 229.0),
 }
-
-
-def rel_err(out, ref) -> float:
-  out = np.asarray(out, np.float64)
-  ref = np.asarray(ref, np.float64)
-  if np.isnan(out).any():
-    return float("inf")
-  fin = np.isfinite(ref)
-  if not np.array_equal(np.isfinite(out), fin) or not np.array_equal(out[~fin], ref[~fin]):
-    return float("inf")
-  return float(np.linalg.norm((out - ref)[fin]) / max(np.linalg.norm(ref[fin]), 1e-30))
-
-
-def time_call(fn, *args, target_s=0.15):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  t = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  once = time.perf_counter() - t
-  n = max(2, min(200, int(target_s / max(once, 1e-6))))
-  samples = []
-  for _ in range(5):
-    t = time.perf_counter()
-    for _ in range(n):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t) / n)
-  return statistics.median(samples)
+# Not a BENCHMARKS.md row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
+EXTRA_ROWS = {
+    "decode_ds_b128_1g": Decode("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 16384, 395.0),
+}
 
 
 def _bad_indices(key, shape, num_slots, frac=0.05):
@@ -83,7 +96,7 @@ def _poison_unused(cache_rows, slots):
   return jnp.where(used, cache_rows, jnp.asarray(jnp.nan, cache_rows.dtype))
 
 
-def check(results, small=False):
+def check(small=False) -> bool:
   """Kernel vs reference with adversarial inputs; ``small`` shrinks every shape."""
   key = jax.random.PRNGKey(0)
   rows = []
@@ -146,141 +159,168 @@ def check(results, small=False):
     got = sparse_mla_decode(q, cache, idx, implementation="pallas", **kw)
     ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
     report(f"decode {dt} bs{bs} extra{extra}", got, ref, 1)
-  results["check"] = rows
   return all(r[-1] for r in rows)
 
 
-def prefill_row(name, s_q, h_q, topk, d_qk, s_kv, sink, configs, results):
-  k = jax.random.split(jax.random.PRNGKey(1), 4)
-  q = (jax.random.normal(k[0], (s_q, h_q, d_qk)) / 10).astype(jnp.bfloat16)
-  kv = (jax.random.normal(k[1], (s_kv, d_qk)) / 10).astype(jnp.bfloat16)
-  idx = jax.random.randint(k[2], (s_q, topk), 0, s_kv, jnp.int32)
-  attn_sink = jax.random.normal(k[3], (h_q,), jnp.float32) if sink else None
-  flop = 2 * s_q * h_q * topk * (d_qk + 512)
-  n = 64  # kernel vs reference on the first tokens of the timed inputs
-  got = sparse_mla_prefill(q[:n], kv, idx[:n], sm_scale=d_qk ** -0.5, attn_sink=attn_sink)
-  ref = sparse_mla_prefill(q[:n], kv, idx[:n], sm_scale=d_qk ** -0.5, attn_sink=attn_sink,
-                           implementation="xla")
-  print(f"{name}: out err {rel_err(got[0], ref[0]):.2e} lse err {rel_err(got[2], ref[2]):.2e}")
-  for cfg in configs:
-    fn = jax.jit(lambda q, kv, idx, s, cfg=cfg: sparse_mla_prefill_pallas(
-        q, kv, idx, s, None, sm_scale=d_qk ** -0.5, d_v=512, config=cfg))
-    _record(results, name, cfg, fn, (q, kv, idx, attn_sink), flop)
+def _prefill_sets(spec: Prefill):
+  k = jax.random.split(jax.random.PRNGKey(1), 2)
+  kv = (jax.random.normal(k[0], (spec.s_kv, spec.d_qk)) / 10).astype(jnp.bfloat16)
+  sink = jax.random.normal(k[1], (spec.h_q,), jnp.float32) if spec.sink else None
+  sets = []
+  for i in range(PREFILL_SETS):
+    kq, ki = jax.random.split(jax.random.PRNGKey(10 + i))
+    q = (jax.random.normal(kq, (spec.s_q, spec.h_q, spec.d_qk)) / 10).astype(jnp.bfloat16)
+    sets.append((q, kv, jax.random.randint(ki, (spec.s_q, spec.topk), 0, spec.s_kv, jnp.int32),
+                 sink))
+  flop = 2 * spec.s_q * spec.h_q * spec.topk * (spec.d_qk + 512)
+  return sets, flop
 
 
-def decode_row(name, dt, b, s_q, h_q, topk, bs, extra, ebs, seqlen, configs, results):
-  d_qk = 576 if dt == "fp8_ds_mla" else 512
-  k = jax.random.split(jax.random.PRNGKey(2), 6)
+def _decode_sets(spec: Decode):
+  """Distinct (q, indices, extra indices) sets over one main and one extra cache."""
+  d_qk = 576 if spec.dtype == "fp8_ds_mla" else 512
+  b, s_q = spec.b, spec.s_q
 
-  def make_cache(kk, bsz, slots_per_batch):
-    nb = b * slots_per_batch // bsz
-    shape = kv_cache_shape(nb, bsz, d_qk, dt)
+  def make_cache(kk, bsz):
+    nb = b * spec.seqlen // bsz
+    shape = kv_cache_shape(nb, bsz, d_qk, spec.dtype)
     # Random bytes are fine for timing except NaN/huge fp8 codes: build a small
     # quantized block and tile it over the cache.
     x = (jax.random.normal(kk, (1, bsz, d_qk)) / 3).astype(jnp.bfloat16)
-    blk = quantize_fp8_ds_mla(x) if dt == "fp8_ds_mla" else quantize_fp8_model1_cache(x)
-    return jnp.broadcast_to(blk, shape) + jnp.zeros(shape, jnp.uint8), nb * bsz
+    quant = quantize_fp8_ds_mla if spec.dtype == "fp8_ds_mla" else quantize_fp8_model1_cache
+    return jnp.broadcast_to(quant(x), shape) + jnp.zeros(shape, jnp.uint8), nb * bsz
 
-  q = (jax.random.normal(k[0], (b, s_q, h_q, d_qk)) / 3).astype(jnp.bfloat16)
-  cache, n = make_cache(k[1], bs, seqlen)
-  idx = jax.random.randint(k[2], (b * s_q, topk), 0, n, jnp.int32)
-  sets = [(cache, idx, jnp.full((b * s_q,), topk, jnp.int32))]
-  total_topk = topk
-  if extra:
-    ecache, en = make_cache(k[3], ebs, seqlen)
-    eidx = jax.random.randint(k[4], (b * s_q, extra), 0, en, jnp.int32)
-    sets.append((ecache, eidx, jnp.full((b * s_q,), extra, jnp.int32)))
-    total_topk += extra
-  sink = jax.random.normal(k[5], (h_q,), jnp.float32)
-  flop = 2 * b * s_q * h_q * total_topk * (d_qk + 512)
-  qf = q.reshape(b * s_q, h_q, d_qk)
-  extra_kw = {}
-  if extra:
-    extra_kw = dict(extra_kv_cache=ecache, extra_indices=eidx.reshape(b, s_q, extra))
-  got = sparse_mla_decode(q, cache, idx.reshape(b, s_q, topk), kv_cache_dtype=dt,
-                          attn_sink=sink, **extra_kw)
-  try:
-    ref = sparse_mla_decode(q, cache, idx.reshape(b, s_q, topk), kv_cache_dtype=dt,
-                            attn_sink=sink, implementation="xla", **extra_kw)
-    errs = f"out err {rel_err(got[0], ref[0]):.2e} lse err {rel_err(got[1], ref[1]):.2e}"
-  except Exception as e:  # noqa: BLE001 - the reference is a check here, not the subject
-    errs = f"reference failed: {str(e).splitlines()[0][:100]}"
-  print(f"{name}: cache {cache.nbytes / 2**30:.2f} GiB, {errs}", flush=True)
-  for cfg in configs:
-    fn = jax.jit(lambda qf, sets, s, cfg=cfg: sparse_mla_decode_pallas(
-        qf, sets, s, kv_cache_dtype=dt, sm_scale=d_qk ** -0.5, d_v=512, config=cfg))
-    _record(results, name, cfg, fn, (qf, sets, sink), flop)
+  k = jax.random.split(jax.random.PRNGKey(2), 3)
+  cache, n = make_cache(k[0], spec.block_size)
+  ecache, en = make_cache(k[1], spec.extra_block_size) if spec.extra else (None, 0)
+  sink = jax.random.normal(k[2], (spec.h_q,), jnp.float32)
+  per_set = b * s_q * (spec.h_q * d_qk * 2 + (spec.topk + (spec.extra or 0)) * 4)
+  sets = []
+  for i in range(n_sets(per_set)):
+    kq, ki, ke = jax.random.split(jax.random.PRNGKey(100 + i), 3)
+    q = (jax.random.normal(kq, (b, s_q, spec.h_q, d_qk)) / 3).astype(jnp.bfloat16)
+    idx = jax.random.randint(ki, (b, s_q, spec.topk), 0, n, jnp.int32)
+    eidx = (jax.random.randint(ke, (b, s_q, spec.extra), 0, en, jnp.int32) if spec.extra
+            else None)
+    sets.append((q, cache, idx, sink, ecache, eidx))
+  flop = 2 * b * s_q * spec.h_q * (spec.topk + (spec.extra or 0)) * (d_qk + 512)
+  return sets, flop
 
 
-def _record(results, name, cfg, fn, args, flop):
-  label = f"bh{cfg.block_h} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-  try:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    compile_s = time.perf_counter() - t0
-    sec = time_call(fn, *args)
-  except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-    msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-    print(f"{name:18s} {label:22s} FAILED: {msg}", flush=True)
-    return
-  tflops = flop / sec / 1e12
-  anchor = ANCHORS.get(name)
-  results.setdefault("bench", []).append((name, label, sec * 1e6, tflops, anchor))
-  print(f"{name:18s} {label:22s} {sec * 1e6:9.1f} us {tflops:7.1f} TFLOP/s "
-        f"(FlashMLA {anchor}, {tflops / anchor:.2f}x) compile {compile_s:.1f}s", flush=True)
+def _decode_call(spec: Decode, **kw):
+  return lambda q, cache, idx, sink, ecache, eidx: sparse_mla_decode(
+      q, cache, idx, kv_cache_dtype=spec.dtype, attn_sink=sink, extra_kv_cache=ecache,
+      extra_indices=eidx, **kw)
+
+
+def _prefill_call(spec: Prefill, **kw):
+  return lambda q, kv, idx, sink: sparse_mla_prefill(
+      q, kv, idx, sm_scale=spec.d_qk ** -0.5, attn_sink=sink, **kw)
+
+
+def run(rows=ROWS) -> list[Row]:
+  """Each row through the public op; the timed call is checked against the reference
+  first (prefill: on the first 64 tokens; decode: the whole call)."""
+  dev = device_name()
+  out = []
+  for name, spec in rows.items():
+    if isinstance(spec, Prefill):
+      sets, flop = _prefill_sets(spec)
+      fn = _prefill_call(spec)
+      q, kv, idx, sink = sets[0]
+      got = fn(q[:64], kv, idx[:64], sink)
+      ref = _prefill_call(spec, implementation="xla")(q[:64], kv, idx[:64], sink)
+      lse_at = 2
+    else:
+      sets, flop = _decode_sets(spec)
+      fn = _decode_call(spec)
+      got = fn(*sets[0])
+      lse_at = 1
+      try:
+        ref = _decode_call(spec, implementation="xla")(*sets[0])
+      except Exception as e:  # noqa: BLE001 - the reference is a check here, not the subject
+        print(f"{name}: reference failed ({str(e).splitlines()[0][:100]}); not checked")
+        ref = None
+    if ref is not None:
+      check_close(f"{name} out", got[0], ref[0])
+      check_close(f"{name} lse", got[lse_at], ref[lse_at], tol=1e-3)
+    us = time_us(fn, sets, reps=10)
+    out.append(Row("sparse_mla_prefill" if isinstance(spec, Prefill) else "sparse_mla_decode",
+                   name, us, flop / us / 1e6, "TFLOP/s", spec.anchor, "FlashMLA", dev))
+    del sets
+  return out
+
+
+def _flat_decode(spec: Decode, q, cache, idx, sink, ecache, eidx):
+  """Public decode arguments -> the kernel entry's ``(q[T, h, d], kv sets, sink)``."""
+  t = spec.b * spec.s_q
+  kv_sets = [(cache, idx.reshape(t, -1), jnp.full((t,), spec.topk, jnp.int32))]
+  if spec.extra:
+    kv_sets.append((ecache, eidx.reshape(t, -1), jnp.full((t,), spec.extra, jnp.int32)))
+  return q.reshape(t, spec.h_q, -1), kv_sets, sink
+
+
+def sweep(rows, prefill_configs, decode_configs) -> list[Row]:
+  """Tile configurations of the kernel entries on each row (for tuning)."""
+  dev = device_name()
+  out = []
+  for name, spec in rows.items():
+    if isinstance(spec, Prefill):
+      sets, flop = _prefill_sets(spec)
+      calls = [(cfg, lambda q, kv, idx, s, cfg=cfg, spec=spec: sparse_mla_prefill_pallas(
+          q, kv, idx, s, None, sm_scale=spec.d_qk ** -0.5, d_v=512, config=cfg))
+          for cfg in prefill_configs]
+    else:
+      decode_sets, flop = _decode_sets(spec)
+      sets = [_flat_decode(spec, *a) for a in decode_sets]
+      calls = [(cfg, lambda qf, kv_sets, s, cfg=cfg, spec=spec: sparse_mla_decode_pallas(
+          qf, kv_sets, s, kv_cache_dtype=spec.dtype, sm_scale=qf.shape[-1] ** -0.5, d_v=512,
+          config=cfg)) for cfg in decode_configs]
+    for cfg, fn in calls:
+      label = f"bh{cfg.block_h} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+      try:
+        us = time_us(fn, sets, reps=10)
+      except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+        msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        print(f"{name:18s} {label:22s} FAILED: {msg}", flush=True)
+        continue
+      out.append(Row("sparse_mla kernel entry", f"{name} {label}", us, flop / us / 1e6,
+                     "TFLOP/s", spec.anchor, "FlashMLA", dev))
+      print(f"{name:18s} {label:22s} {us:9.1f} us {flop / us / 1e6:7.1f} TFLOP/s", flush=True)
+    del sets
+  return out
 
 
 def _configs(spec: str):
   out = []
   for item in spec.split(","):
-    bh, bk, w, s = (int(v) for v in item.split(":"))
-    out.append(KernelConfig(block_h=bh, block_k=bk, num_warps=w, num_stages=s))
+    if item:
+      bh, bk, w, s = (int(v) for v in item.split(":"))
+      out.append(KernelConfig(block_h=bh, block_k=bk, num_warps=w, num_stages=s))
   return out
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--check", action="store_true")
-  ap.add_argument("--rows", default="prefill_v32,decode_ds_b128")
-  ap.add_argument("--prefill-configs", default="64:64:8:3",
-                  help="block_h:block_k:num_warps:num_stages,...")
-  ap.add_argument("--decode-configs", default="64:64:8:2")
+  ap.add_argument("--rows", default=",".join(ROWS))
+  ap.add_argument("--prefill-configs", default="",
+                  help="block_h:block_k:num_warps:num_stages,... (times the kernel entry)")
+  ap.add_argument("--decode-configs", default="")
   ap.add_argument("--small", action="store_true",
                   help="--check on small shapes (for compute-sanitizer runs)")
   args = ap.parse_args()
-  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
-  results = {}
+  print(device_name(), jax.__version__, flush=True)
   ok = True
   if args.check or args.small:
-    ok = check(results, small=args.small)
+    ok = check(small=args.small)
+  every = {**ROWS, **EXTRA_ROWS}
+  rows = {r: every[r] for r in args.rows.split(",") if r}
   pc, dc = _configs(args.prefill_configs), _configs(args.decode_configs)
-  rows = [r for r in args.rows.split(",") if r]
-  prefill_rows = {
-      "prefill_v32": (4096, 128, 2048, 576, 32768, True),
-      "prefill_v32_131k": (4096, 128, 2048, 576, 131072, True),
-      "prefill_v4_h128": (4096, 128, 1024, 512, 32768, False),
-      "prefill_v4_h64": (4096, 64, 512, 512, 32768, False),
-  }
-  decode_rows = {  # dt, b, s_q, h_q, topk, block, extra, extra_block, seqlen per batch
-      "decode_ds_b128": ("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 32768),
-      "decode_ds_b64": ("fp8_ds_mla", 64, 2, 128, 2048, 64, None, None, 32768),
-      "decode_ds_b128_1g": ("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 16384),
-      "decode_m1_h128": ("fp8_model1", 256, 2, 128, 128, 256, 1024, 64, 8192),
-      "decode_m1_h64": ("fp8_model1", 256, 2, 64, 128, 256, 512, 64, 8192),
-  }
-  for r in rows:
-    if r in prefill_rows:
-      prefill_row(r, *prefill_rows[r], pc, results)
-    else:
-      decode_row(r, *decode_rows[r], dc, results)
-  print("\nsummary (best config per row):")
-  best = {}
-  for name, label, us, tf, anchor in results.get("bench", []):
-    if name not in best or tf > best[name][2]:
-      best[name] = (label, us, tf, anchor)
-  for name, (label, us, tf, anchor) in best.items():
-    print(f"  {name:18s} {label:22s} {us:9.1f} us {tf:7.1f} TFLOP/s  FlashMLA {anchor}  "
-          f"ratio {tf / anchor:.2f}")
+  if pc or dc:
+    print_table(sweep(rows, pc, dc))
+  else:
+    print_table(run(rows))
   return 0 if ok else 1
 
 

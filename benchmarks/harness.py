@@ -37,6 +37,29 @@ def device_name() -> str:
   return getattr(d, "device_kind", str(d))
 
 
+def rel_err(out, ref) -> float:
+  """||out - ref|| / ||ref|| in float64 over the entries where ``ref`` is finite
+  (``lse = +inf`` of an empty row is not an error); NaN anywhere in ``out``, or a
+  non-finite ``out`` where ``ref`` is finite, gives inf. Same as tests/helpers.py."""
+  out = np.asarray(out, dtype=np.float64)
+  ref = np.asarray(ref, dtype=np.float64)
+  fin = np.isfinite(ref)
+  if np.isnan(out).any() or not np.isfinite(out[fin]).all():
+    return float("inf")
+  with np.errstate(invalid="ignore"):  # inf - inf where ref is not finite; masked out
+    diff = (out - ref)[fin]
+  return float(np.linalg.norm(diff) / max(np.linalg.norm(ref[fin]), 1e-30))
+
+
+def check_close(name: str, out, ref, tol: float = 1e-2) -> float:
+  """Raises AssertionError when ``rel_err(out, ref) >= tol`` (a benchmark of a wrong
+  result is no figure); returns the error."""
+  err = rel_err(out, ref)
+  if not err < tol:
+    raise AssertionError(f"{name}: rel err {err:.2e} vs the XLA reference (tol {tol:.0e})")
+  return err
+
+
 def time_us(fn, arg_sets, *, reps: int = 30) -> float:
   """Median device time of one ``fn(*args)`` in microseconds.
 
