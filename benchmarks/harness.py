@@ -11,6 +11,8 @@ import time
 import jax
 import numpy as np
 
+from jax_mla.testing import rel_err
+
 
 @dataclasses.dataclass
 class Row:
@@ -35,20 +37,6 @@ class Row:
 def device_name() -> str:
   d = jax.devices()[0]
   return getattr(d, "device_kind", str(d))
-
-
-def rel_err(out, ref) -> float:
-  """||out - ref|| / ||ref|| in float64 over the entries where ``ref`` is finite
-  (``lse = +inf`` of an empty row is not an error); NaN anywhere in ``out``, or a
-  non-finite ``out`` where ``ref`` is finite, gives inf. Same as tests/helpers.py."""
-  out = np.asarray(out, dtype=np.float64)
-  ref = np.asarray(ref, dtype=np.float64)
-  fin = np.isfinite(ref)
-  if np.isnan(out).any() or not np.isfinite(out[fin]).all():
-    return float("inf")
-  with np.errstate(invalid="ignore"):  # inf - inf where ref is not finite; masked out
-    diff = (out - ref)[fin]
-  return float(np.linalg.norm(diff) / max(np.linalg.norm(ref[fin]), 1e-30))
 
 
 def check_close(name: str, out, ref, tol: float = 1e-2) -> float:

@@ -18,6 +18,10 @@ import jax.numpy as jnp
 Implementation = Literal["pallas", "xla"] | None
 IMPLEMENTATIONS = ("pallas", "xla")
 
+# Kernels keep scores in base 2 (exp2) and turn their LSE back to natural log.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
 # Largest finite fp8 e4m3fn value.
 FP8_E4M3_MAX = 448.0
 

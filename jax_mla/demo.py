@@ -20,6 +20,7 @@ from jax_mla._common import default_backend_is_gpu
 from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
 from jax_mla.indexing import convert_req_index_to_global_index
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from jax_mla.testing import rel_err
 
 D_NOPE, D_ROPE = 512, 64
 
@@ -30,11 +31,6 @@ def _timed(fn, *args, reps=5):
   for _ in range(reps):
     out = jax.block_until_ready(fn(*args))
   return out, 1e3 * (time.perf_counter() - t0) / reps
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main() -> None:
@@ -90,7 +86,7 @@ def main() -> None:
   ref_out, ref_lse = sparse_mla_decode(q, cache, idx, kv_cache_dtype="fp8_ds_mla",
                                        implementation="xla")
   print(f"[3] sparse_mla_decode fp8_ds_mla: out {out.shape}, {ms:.3f} ms, "
-        f"rel err out {_rel(out, ref_out):.2e}, lse {_rel(lse, ref_lse):.2e}")
+        f"rel err out {rel_err(out, ref_out):.2e}, lse {rel_err(lse, ref_lse):.2e}")
 
   # 4. Sparse prefill: the last request's tokens attend to their own top-k (causal).
   r = int(np.argmax(seq_lens))
@@ -109,7 +105,7 @@ def main() -> None:
   rout, _, rlse = sparse_mla_prefill(qp, kv, jnp.asarray(pidx), sm_scale=576**-0.5,
                                      implementation="xla")
   print(f"[4] sparse_mla_prefill bf16: {s_q} queries x topk {topk}, {ms:.3f} ms, "
-        f"rel err out {_rel(pout, rout):.2e}, lse {_rel(plse, rlse):.2e}")
+        f"rel err out {rel_err(pout, rout):.2e}, lse {rel_err(plse, rlse):.2e}")
 
   if not gpu:
     # The same steps through the Pallas kernels, in the interpreter.
@@ -125,9 +121,9 @@ def main() -> None:
                                          implementation="pallas", interpret=True)
     print("[interpret] Pallas kernels vs reference: cache byte-exact "
           f"{bool(jnp.array_equal(kcache, ref_cache))}, indices exact "
-          f"{bool(jnp.array_equal(kidx, ref_idx))}, decode rel err {_rel(kout, ref_out):.2e} "
-          f"(lse {_rel(klse, ref_lse):.2e}), prefill rel err {_rel(kpout, rout):.2e} "
-          f"(lse {_rel(kplse, rlse):.2e})")
+          f"{bool(jnp.array_equal(kidx, ref_idx))}, decode rel err {rel_err(kout, ref_out):.2e} "
+          f"(lse {rel_err(klse, ref_lse):.2e}), prefill rel err {rel_err(kpout, rout):.2e} "
+          f"(lse {rel_err(kplse, rlse):.2e})")
 
 
 if __name__ == "__main__":

@@ -8,18 +8,16 @@ contributes nothing either way.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from jax_mla._common import check_dtype
+from jax_mla._common import LN2, check_dtype
 
 
 @jax.jit
 def lse2_to_lse(lse_base2: jax.Array) -> jax.Array:
   """Converts a base-2 LSE (as FlashMLA kernels keep it) to natural log, in float32."""
-  return lse_base2.astype(jnp.float32) * math.log(2.0)
+  return lse_base2.astype(jnp.float32) * LN2
 
 
 def _as_merge_lse(lse: jax.Array) -> jax.Array:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_err
 
 torch = pytest.importorskip("torch")
 
@@ -411,11 +412,6 @@ def test_jax_to_torch_waits_for_jax_stream():
 # GPU with FlashMLA installed: FlashMLA's kernels against jax_mla on the same arguments.
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["xla", None])
 def test_flashmla_sparse_decode_matches_jax_mla(impl):
@@ -433,8 +429,8 @@ def test_flashmla_sparse_decode_matches_jax_mla(impl):
   out, lse = flashmla.sparse_mla_decode(q, cache, idx, **kw)
   ref, ref_lse = sparse_mla.sparse_mla_decode(q, cache, idx, implementation=impl, **kw)
   assert out.shape == ref.shape and lse.shape == ref_lse.shape
-  print(f"flashmla vs jax_mla sparse decode ({impl}): out rel {_rel(out, ref):.2e}")
-  assert _rel(out, ref) < 1e-2
+  print(f"flashmla vs jax_mla sparse decode ({impl}): out rel {rel_err(out, ref):.2e}")
+  assert rel_err(out, ref) < 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
 
 
@@ -449,8 +445,8 @@ def test_flashmla_dense_decode_and_sparse_prefill_match_jax_mla():
   sl = jnp.array([1, 300, 512], jnp.int32)
   out, lse = flashmla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
   ref, ref_lse = jax_mla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05)
-  print(f"flashmla vs jax_mla dense decode: out rel {_rel(out, ref):.2e}")
-  assert _rel(out, ref) < 1e-2
+  print(f"flashmla vs jax_mla dense decode: out rel {rel_err(out, ref):.2e}")
+  assert rel_err(out, ref) < 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
 
   s_q, s_kv, topk = 64, 2048, 128
@@ -459,7 +455,7 @@ def test_flashmla_dense_decode_and_sparse_prefill_match_jax_mla():
   ip = jax.random.randint(k[5], (s_q, 1, topk), -1, s_kv, jnp.int32)
   got = flashmla.sparse_mla_prefill(qp, kvp, ip, sm_scale=0.05)
   want = sparse_mla.sparse_mla_prefill(qp, kvp, ip, sm_scale=0.05)
-  print(f"flashmla vs jax_mla sparse prefill: out rel {_rel(got[0], want[0]):.2e}")
-  assert _rel(got[0], want[0]) < 1e-2
+  print(f"flashmla vs jax_mla sparse prefill: out rel {rel_err(got[0], want[0]):.2e}")
+  assert rel_err(got[0], want[0]) < 1e-2
   for g, w in zip(got[1:], want[1:], strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-3)

@@ -24,7 +24,6 @@ and their LSE, merged by :func:`combine_splits`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +31,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_mla._common import LN2, LOG2E
+
 D_NOPE = 512
 D_ROPE = 64
 D_QK = D_NOPE + D_ROPE
-_LOG2E = 1.4426950408889634
-_LN2 = math.log(2.0)
 
 
 def _cols(rows, start, size):
@@ -123,7 +122,7 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
   empty = l_i == 0.0
   inv = jnp.where(empty, 0.0, v_scale / jnp.where(empty, 1.0, l_i))
   out = acc * inv[:, None]
-  lse = (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * _LN2
+  lse = (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2
   # Partials mark empty splits -inf (weight 0); the final result uses +inf.
   lse = jnp.where(empty, jnp.inf if num_splits == 1 else -jnp.inf, lse)
   # Masked rows point past the end: interpret mode scatters every index (even
@@ -241,5 +240,5 @@ def kernel_scales(sm_scale: float, q_scale=None, k_scale=None, v_scale=None) -> 
   """The kernel's ``scales`` operand from per-tensor scales (None means 1)."""
   def as_scalar(x):
     return jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(())
-  return jnp.stack([sm_scale * _LOG2E * as_scalar(q_scale) * as_scalar(k_scale),
+  return jnp.stack([sm_scale * LOG2E * as_scalar(q_scale) * as_scalar(k_scale),
                     as_scalar(v_scale)])

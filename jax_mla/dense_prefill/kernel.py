@@ -15,7 +15,6 @@ score is the sum of two dots. The extra last grid slot writes ``out = 0`` and
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla._common import cdiv, next_pow2
+from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 _MIN_TILE = 16  # smallest Triton dot tile
 
 
@@ -98,7 +95,7 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     q_main = plgpu.load(q_ref.at[q_rows, pl.ds(0, d_main)], mask=rows_ok[:, None], other=0.0)
     q_rest = (plgpu.load(q_ref.at[q_rows, pl.ds(d_main, d_rest)], mask=rows_ok[:, None],
                          other=0.0) if d_rest else None)
-    scale = sm_scale * _LOG2E  # scores in the base-2 domain: exp(x) = exp2(x * log2 e)
+    scale = sm_scale * LOG2E  # scores in the base-2 domain: exp(x) = exp2(x * log2 e)
     # float32 inputs get IEEE dots (Triton would use TF32); bf16/fp16 dots are unchanged.
     dot = functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST
                             if q_ref.dtype == jnp.float32 else None)
@@ -150,7 +147,7 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     has_keys = l > 0.0
     l_safe = jnp.where(has_keys, l, 1.0)
     out = jnp.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
-    lse = jnp.where(has_keys, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
+    lse = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, jnp.inf)
     _store_rows(o_ref, lse_ref, q_start + row0, rows_ok, out, lse)
 
 

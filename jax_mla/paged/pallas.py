@@ -22,7 +22,6 @@ splits (and the attention sink) are merged afterwards in XLA with
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +29,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla._common import cdiv, next_pow2
+from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
 from jax_mla.merge import merge_attn_states
 from jax_mla.paged.reference import (
-    CacheView,
-    decode_rows,
-    finish_output,
-    scatter_rows,
+  CacheView,
+  decode_rows,
+  finish_output,
+  scatter_rows,
 )
-
-_LOG2E = 1.4426950408889634
-_LN2 = math.log(2.0)
 
 
 def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, group, head_dim,
@@ -124,7 +120,7 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = acc * (v_scale / l_safe)[:, None]
-  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * _LN2)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_tiles: int,
@@ -166,11 +162,11 @@ def paged_attention_pallas(query, key_view_: CacheView, value_view_: CacheView, 
 
   query_row, lens = decode_rows(seq_lens, query_start_loc, t)
   scalars = jnp.stack([jnp.asarray(scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
-                       * _LOG2E, jnp.asarray(v_scale, jnp.float32)])
+                       * LOG2E, jnp.asarray(v_scale, jnp.float32)])
   inputs = [scalars, query_row, lens, block_tables, query.reshape(t, hkv, group, head_dim),
             key_view_.data, value_view_.data]
   if alibi_slopes is not None:
-    inputs.append(alibi_slopes.astype(jnp.float32).reshape(hkv, group) * _LOG2E)
+    inputs.append(alibi_slopes.astype(jnp.float32).reshape(hkv, group) * LOG2E)
 
   kernel = functools.partial(
       _kernel, group=group, head_dim=head_dim, block_size=block_size, k_x=key_view_.x,

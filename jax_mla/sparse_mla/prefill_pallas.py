@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,10 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla._common import cdiv, next_pow2
+from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 MIN_TILE = 16  # smallest Triton dot tile
 
 
@@ -146,14 +143,14 @@ def _sparse_mla_kernel(*refs, sources: Sequence[KVSource], topks: Sequence[int],
   if has_sink:
     sink = plgpu.load(sink_ref.at[pl.ds(h0, block_h)], mask=head_ok, other=-jnp.inf)
     # out *= exp(lse) / (exp(lse) + exp(sink)); sink=+inf -> 0, -inf -> 1.
-    scale = scale / (1.0 + jnp.exp2(sink * _LOG2E - lse2))
+    scale = scale / (1.0 + jnp.exp2(sink * LOG2E - lse2))
   scale = jnp.where(empty, 0.0, scale)
   for a, j in zip(accs, v_ids, strict=True):
     c, w = pieces[j]
     plgpu.store(o_ref.at[t, pl.ds(h0, block_h), pl.ds(c, w)],
                 (a * scale[:, None]).astype(o_ref.dtype), mask=head_ok[:, None])
-  plgpu.store(ml_ref.at[t, pl.ds(h0, block_h)], m * _LN2, mask=head_ok)
-  plgpu.store(lse_ref.at[t, pl.ds(h0, block_h)], jnp.where(empty, jnp.inf, lse2 * _LN2),
+  plgpu.store(ml_ref.at[t, pl.ds(h0, block_h)], m * LN2, mask=head_ok)
+  plgpu.store(lse_ref.at[t, pl.ds(h0, block_h)], jnp.where(empty, jnp.inf, lse2 * LN2),
               mask=head_ok)
 
 
@@ -195,7 +192,7 @@ def run_sparse_mla(q: jax.Array, sets: Sequence[tuple[KVSource, jax.Array, jax.A
       _sparse_mla_kernel, sources=tuple(s[0] for s in sets),
       topks=tuple(s[1].shape[1] for s in sets), h_q=h_q, block_h=block_h,
       block_k=config.block_k, num_h_blocks=num_h_blocks, d_v=d_v,
-      scale_log2=float(sm_scale) * _LOG2E, has_sink=attn_sink is not None)
+      scale_log2=float(sm_scale) * LOG2E, has_sink=attn_sink is not None)
   out_shape = (jax.ShapeDtypeStruct((num_tokens, h_q, d_v), jnp.bfloat16),
                jax.ShapeDtypeStruct((num_tokens, h_q), jnp.float32),
                jax.ShapeDtypeStruct((num_tokens, h_q), jnp.float32))
