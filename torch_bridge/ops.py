@@ -139,24 +139,12 @@ def torch_op(fn: Callable) -> Callable:
   return wrapper
 
 
-# name -> why it is missing (an op module another part of jax_mla has not landed).
-UNAVAILABLE: dict[str, str] = {}
-
-
 def _wire_ops() -> list[str]:
   names = []
   for module_name, op_names in OP_MODULES.items():
-    try:
-      module = importlib.import_module(module_name)
-    except ImportError as e:
-      UNAVAILABLE.update({n: f"{module_name}: {e}" for n in op_names})
-      continue
+    module = importlib.import_module(module_name)
     for n in op_names:
-      fn = getattr(module, n, None)
-      if fn is None:
-        UNAVAILABLE[n] = f"{module_name} has no {n}"
-        continue
-      globals()[n] = torch_op(fn)
+      globals()[n] = torch_op(getattr(module, n))
       names.append(n)
   return names
 
@@ -171,15 +159,7 @@ def kv_cache_shape(*args, **kwargs) -> tuple[int, ...]:
 
 
 def _op(name: str) -> Callable:
-  if name in UNAVAILABLE:
-    raise NotImplementedError(f"torch_bridge.ops.{name} is unavailable: {UNAVAILABLE[name]}")
   return globals()[name]
-
-
-def __getattr__(name):
-  if name in UNAVAILABLE:
-    raise AttributeError(f"torch_bridge.ops.{name} is unavailable: {UNAVAILABLE[name]}")
-  raise AttributeError(f"module 'torch_bridge.ops' has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------
