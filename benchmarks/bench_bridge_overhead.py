@@ -98,6 +98,15 @@ def measure(impl=None, calls=2000, reps=7):
   tj = time_it(jax_fn, jsync)
   tt = time_it(torch_fn, sync)
   rows.append(("mla_decode_paged b4 h16 (4 in, 2 out)", tj, tt))
+  # As in a model: each step makes a new q (one elementwise kernel on each side),
+  # so q is imported fresh and, with torch's stream busy, carries the fence.
+  jq = jargs[0]
+  jax_step = jax.jit(lambda q, *rest: jax_mla.mla_decode_paged(q * 1, *rest, sm_scale=0.04,
+                                                               **impl))
+  step_j = lambda: jax_step(jq, *jargs[1:])
+  step_t = lambda: ops.mla_decode_paged(q * 1, kv, bt, sl, sm_scale=0.04, **impl)
+  rows.append(("mla_decode_paged, new q each call (+1 elementwise op)",
+               time_it(step_j, lambda: jax.block_until_ready(step_j())), time_it(step_t, sync)))
   meta, _ = ops.get_mla_metadata()
   k4 = kv.unsqueeze(2)
   drop = lambda: ops.flash_mla_with_kvcache(q, k4, bt, sl, 512, meta, softmax_scale=0.04)

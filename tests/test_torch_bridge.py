@@ -348,6 +348,33 @@ def test_aiter_missing_library_or_device(monkeypatch):
     aiter.mla_decode(*(jax.device_put(a, cpu) for a in args), max_seqlen_q=1)
 
 
+def test_ops_reuse_imported_views_while_tensors_live():
+  x = torch.arange(64, dtype=torch.float32)
+  view = x[16:]  # a view: its entry lives as long as x
+  np.testing.assert_allclose(_bytes(ops.lse2_to_lse(view)), np.arange(16, 64) * np.log(2.0),
+                             rtol=1e-6)
+  keys = [k for k in _interop._imports if k[0] == id(x)]
+  assert len(keys) == 1
+  x[16] = 100.0  # torch writes in place: the reused view reads the new value
+  assert float(ops.lse2_to_lse(view)[0]) == pytest.approx(100.0 * np.log(2.0))
+  assert [k for k in _interop._imports if k[0] == id(x)] == keys
+  del x, view
+  import gc
+  gc.collect()
+  assert not any(k == keys[0] for k in _interop._imports)
+
+
+def test_copied_imports_are_not_reused():
+  x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+  view = x[1:]  # 16-byte offset: JAX's CPU client copies it
+  a, imported = _interop.import_cached(view, _interop.jax_device(view), None)
+  if a.unsafe_buffer_pointer() == view.data_ptr():
+    pytest.skip("this jaxlib shares a 16-byte-aligned view without a copy")
+  assert imported and not any(k[0] == id(x) for k in _interop._imports)
+  x[1, 0] = 7.0
+  assert float(ops.lse2_to_lse(view)[0, 0]) == pytest.approx(7.0 * np.log(2.0))
+
+
 # ----------------------------------------------------------------------------
 # GPU: zero-copy on CUDA and stream ordering both ways.
 
@@ -374,11 +401,13 @@ def _long_torch_work(n=2048, iters=300):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["to_jax", "ops"])
+@pytest.mark.parametrize("path", ["to_jax", "ops", "ops_seen_before"])
 def test_torch_to_jax_waits_for_torch_stream(path):
   side = torch.cuda.Stream()
   with torch.cuda.stream(side):  # a non-default torch stream, as in serving engines
     t = torch.zeros(1 << 20, device="cuda", dtype=torch.float32)
+    if path == "ops_seen_before":  # t's view is cached: the fence tensor must order the call
+      assert float(ops.lse2_to_lse(t).sum().item()) == 0.0
     torch.cuda.synchronize()
     busy = _long_torch_work()
     t.copy_(busy.float().flatten()[: t.numel()].abs() * 0 + 1)  # ones, after the matmuls
@@ -412,23 +441,38 @@ def test_jax_to_torch_waits_for_jax_stream():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "fp8_model1"])
 @pytest.mark.parametrize("impl", ["xla", None])
-def test_flashmla_sparse_decode_matches_jax_mla(impl):
+def test_flashmla_sparse_decode_matches_jax_mla(impl, kv_cache_dtype):
   pytest.importorskip("flash_mla")
-  k = jax.random.split(jax.random.key(1), 4)
+  k = jax.random.split(jax.random.key(1), 8)
   b, s_q, h_q, topk, nb, bs = 4, 2, 64, 256, 64, 64
-  cache = jcache.quantize_fp8_ds_mla(
-      jax.random.normal(k[0], (nb, bs, 576), jnp.bfloat16), pow2_scales=True)
-  q = jax.random.normal(k[1], (b, s_q, h_q, 576), jnp.bfloat16)
   idx = jax.random.randint(k[2], (b, s_q, topk), -1, nb * bs, jnp.int32)
   idx = idx.at[1, 0].set(-1)  # a query with no valid key
   sink = jax.random.normal(k[3], (h_q,), jnp.float32)
-  tl = jnp.array([topk, 100, 7, 1], jnp.int32)
-  kw = {"sm_scale": 576 ** -0.5, "attn_sink": sink, "topk_length": tl}
+  kw = {"kv_cache_dtype": kv_cache_dtype, "attn_sink": sink}
+  if kv_cache_dtype == "fp8_ds_mla":
+    d = 576
+    cache = jcache.quantize_fp8_ds_mla(
+        jax.random.normal(k[0], (nb, bs, d), jnp.bfloat16), pow2_scales=True)
+    # FlashMLA's sm90 V3.2 kernel takes no topk_length: shorter rows end in -1s.
+    idx = jnp.where(jnp.arange(topk) < jnp.array([topk, 100, 7, 1])[:, None, None], idx, -1)
+  else:  # DeepSeek V4: topk lengths and an extra key set with its own block size.
+    d, enb, ebs, etopk = 512, 4, 256, 128
+    cache = jcache.quantize_fp8_model1_cache(jax.random.normal(k[0], (nb, bs, d), jnp.bfloat16))
+    eidx = jax.random.randint(k[4], (b, s_q, etopk), -1, enb * ebs, jnp.int32)
+    kw |= {"topk_length": jnp.array([topk, 100, 7, 1], jnp.int32),
+           "extra_kv_cache": jcache.quantize_fp8_model1_cache(
+               jax.random.normal(k[5], (enb, ebs, d), jnp.bfloat16)),
+           "extra_indices": eidx.at[1, 0].set(-1),
+           "extra_topk_length": jnp.array([etopk, 0, 64, 5], jnp.int32)}
+  q = jax.random.normal(k[1], (b, s_q, h_q, d), jnp.bfloat16)
+  kw["sm_scale"] = d ** -0.5
   out, lse = flashmla.sparse_mla_decode(q, cache, idx, **kw)
   ref, ref_lse = sparse_mla.sparse_mla_decode(q, cache, idx, implementation=impl, **kw)
   assert out.shape == ref.shape and lse.shape == ref_lse.shape
-  print(f"flashmla vs jax_mla sparse decode ({impl}): out rel {rel_err(out, ref):.2e}")
+  print(f"flashmla vs jax_mla sparse decode ({kv_cache_dtype}, {impl}): "
+        f"out rel {rel_err(out, ref):.2e}")
   assert rel_err(out, ref) < 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
 

@@ -5,7 +5,9 @@ arguments are torch tensors (CPU or CUDA, contiguous, shared without a copy),
 results are torch tensors sharing JAX's output memory. Non-tensor arguments
 (ints, floats, strings, bools, None, tuples) are static: each distinct set of
 them, together with the tensor shapes and dtypes, is compiled once and cached,
-so a repeated call costs the DLPack hand-offs plus one jitted dispatch.
+so a repeated call costs one jitted dispatch plus the DLPack hand-offs of
+tensors not seen before (a tensor's imported view is kept while it lives) and
+of the results.
 
 Ops that return an updated cache (``concat_and_cache_mla``) return a new tensor:
 JAX cannot write into memory it borrowed from torch.
@@ -70,8 +72,9 @@ def torch_op(fn: Callable) -> Callable:
   Tensor arguments (torch tensors, or jax.Arrays passed through) are dynamic;
   every other argument is static and compiled in. One ``jax.jit`` of ``fn`` is
   kept per static signature; jit caches its executable per shape and dtype.
-  On CUDA, the executable waits once per call for torch's current stream, and
-  torch's current stream waits (on the GPU) for the results.
+  On CUDA, the executable waits for torch's current stream when that stream has
+  unfinished work, and torch's current stream waits (on the GPU) for the results.
+  A tensor seen in an earlier call reuses its imported view while it lives.
   """
   params = list(inspect.signature(fn).parameters)
   jitted: dict = {}
@@ -124,15 +127,23 @@ def torch_op(fn: Callable) -> Callable:
         if t.device != torch_device:
           raise ValueError(f"{name} is on {t.device} but {names[tensors.index(first)]} is on "
                            f"{torch_device}; all tensors of one call must share a device")
-    # One fence a call: a tiny buffer imported on JAX's ready-event stream after
-    # that stream waited for torch's; the executable waits for its definition
-    # event. The inputs themselves are imported without a stream (their events
-    # sit on JAX's compute stream), which saves a stream hop per tensor.
-    stream = _interop.fence_torch_to_jax(first, device)
-    fence = None if stream is None else _interop.import_tensor(
-        _interop.fence_tensor(first), device, stream)
-    dyn = [_interop.import_tensor(t, device, None) if isinstance(t, torch.Tensor) else t
-           for t in tensors]
+    # JAX must not read before torch's queued work ends. If torch's stream is idle
+    # there is nothing to wait for; otherwise JAX's ready-event stream waits for it
+    # and one buffer of the call (the first newly imported tensor, else a fence
+    # tensor) is imported on that stream, so the executable waits for its
+    # definition event. Tensors seen before reuse their imported view.
+    stream = (_interop.fence_torch_to_jax(first, device)
+              if _interop.torch_stream_busy(first) else None)
+    dyn = []
+    for t in tensors:
+      if isinstance(t, torch.Tensor):
+        t, imported = _interop.import_cached(t, device, stream)
+        if imported:
+          stream = None
+      dyn.append(t)
+    fence_t = _interop.fence_tensor(first)
+    fence = (_interop.import_cached(fence_t, device, None)[0] if stream is None
+             else _interop.import_tensor(fence_t, device, stream))
     return _export_tree(f(fence, *dyn), _interop.torch_stream_ptr(first))
 
   wrapper.jax_op = fn
