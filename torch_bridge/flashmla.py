@@ -57,9 +57,13 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   Returns:
     ``(out bf16[b, s_q, h_q, d_v], lse f32[b, h_q, s_q])``.
 
+  FlashMLA's sm90 kernels take ``topk_length`` and the extra cache only with
+  ``"fp8_model1"``; with ``"fp8_ds_mla"`` FlashMLA itself raises (pad short rows
+  with ``-1`` indices instead).
+
   Raises:
     ImportError: FlashMLA is not installed.
-    RuntimeError: the inputs are not on a CUDA GPU.
+    RuntimeError: the inputs are not on a CUDA GPU, or FlashMLA refused them.
     ValueError: ``kv_cache_dtype`` is not an fp8 sparse format.
   """
   if kv_cache_dtype not in ("fp8_ds_mla", "fp8_model1"):
