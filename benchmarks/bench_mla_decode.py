@@ -3,7 +3,8 @@
   PYTHONPATH=$PWD python3 -m benchmarks.bench_mla_decode [--skip-check] [--sweep] [--memcheck]
 
 ``run()`` (used by ``benchmarks.run``) times the public ``mla_decode_paged`` on the
-three FlashMLA dense-decode rows with ``harness.time_us`` (one cache, distinct
+three FlashMLA dense-decode rows, with the Triton kernel and (on Hopper, for the
+rows it takes) the Mosaic GPU kernel with ``harness.time_us`` (one cache, distinct
 queries and block tables per input set), after checking the timed call against
 the XLA reference. ``--sweep`` times tile configurations of the kernel entry.
 FLOPs follow FlashMLA: ``2 * b * s_q * h_q * seqlen * (576 + 512)``; bandwidth
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
-from jax_mla.dense_decode import api, mla_decode, mla_decode_paged
+from jax_mla.dense_decode import api, mla_decode, mla_decode_paged, mosaic
 from jax_mla.dense_decode import pallas as kern
 
 D = 576
@@ -134,20 +135,24 @@ def _case_sets(case: Case):
 
 
 def run(cases=CASES) -> list[Row]:
-  """The BENCHMARKS.md dense-decode rows through the public ``mla_decode_paged``."""
+  """The BENCHMARKS.md dense-decode rows through the public ``mla_decode_paged``, once
+  per GPU kernel that takes the row (Triton; Mosaic GPU on Hopper)."""
   dev = device_name()
   rows = []
   for case in cases:
     sets, flops, kv_bytes = _case_sets(case)
-    fn = jax.jit(lambda q, c, bt, s: mla_decode_paged(q, c, bt, s))
-    got = fn(*sets[0])
     ref = mla_decode_paged(*sets[0], implementation="xla")
-    check_close(f"mla_decode_paged {case.name}", got[0], ref[0])
-    us = time_us(fn, sets)
-    figure = flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
-    rows.append(Row("mla_decode_paged", case.name, us, figure, case.unit, case.anchor,
-                    "FlashMLA", dev))
-    del sets
+    impls = ["pallas"]
+    if mosaic.default_for(sets[0][0], sets[0][1], causal=False):
+      impls.append("mosaic")
+    for impl in impls:
+      fn = jax.jit(functools.partial(mla_decode_paged, implementation=impl))
+      check_close(f"mla_decode_paged[{impl}] {case.name}", fn(*sets[0])[0], ref[0])
+      us = time_us(fn, sets)
+      figure = flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
+      rows.append(Row(f"mla_decode_paged[{impl}]", case.name, us, figure, case.unit,
+                      case.anchor, "FlashMLA", dev))
+    del sets, ref
   return rows
 
 

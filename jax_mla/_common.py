@@ -3,6 +3,7 @@
 Every public op takes ``implementation=None | "pallas" | "xla"`` and ``interpret``.
 ``None`` picks the Pallas kernel on GPU and the jax.numpy reference elsewhere;
 ``interpret=True`` runs the Pallas kernel in the Pallas interpreter (CPU tests).
+Ops with a second, Pallas Mosaic GPU kernel (Hopper) also take ``"mosaic"``.
 Validation runs at trace time and raises ``ValueError``/``TypeError`` naming the
 argument, what was given and what was expected.
 """
@@ -15,8 +16,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-Implementation = Literal["pallas", "xla"] | None
-IMPLEMENTATIONS = ("pallas", "xla")
+Implementation = Literal["pallas", "mosaic", "xla"] | None
+IMPLEMENTATIONS = ("pallas", "mosaic", "xla")
 
 # Kernels keep scores in base 2 (exp2) and turn their LSE back to natural log.
 LOG2E = 1.4426950408889634
@@ -30,18 +31,30 @@ def default_backend_is_gpu() -> bool:
   return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-def resolve_implementation(implementation: Implementation, interpret: bool = False) -> str:
-  """Returns "pallas" or "xla" for a user's ``implementation`` argument."""
+def resolve_implementation(implementation: Implementation, interpret: bool = False, *,
+                           has_mosaic: bool = False) -> str:
+  """Returns "pallas", "mosaic" or "xla" for a user's ``implementation`` argument.
+
+  ``has_mosaic``: the op has a Mosaic GPU kernel (otherwise "mosaic" is refused).
+  ``None`` never returns "mosaic"; such ops decide that themselves.
+  """
   if implementation is None:
     return "pallas" if (interpret or default_backend_is_gpu()) else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
-        f"implementation must be None, 'pallas' or 'xla'; got {implementation!r}")
-  if implementation == "pallas" and not interpret and not default_backend_is_gpu():
+        f"implementation must be None, 'pallas', 'mosaic' or 'xla'; got {implementation!r}")
+  if implementation == "mosaic":
+    if not has_mosaic:
+      raise ValueError("this op has no Mosaic GPU kernel; use implementation='pallas' "
+                       "(Triton) or 'xla'")
+    if interpret:
+      raise ValueError("the Mosaic GPU kernel has no interpreter; use implementation='pallas' "
+                       "with interpret=True")
+  if implementation != "xla" and not interpret and not default_backend_is_gpu():
     raise ValueError(
-        "implementation='pallas' needs a GPU backend (found "
-        f"{jax.default_backend()!r}); pass interpret=True to run the kernel in the "
-        "Pallas interpreter, or implementation='xla' for the reference")
+        f"implementation={implementation!r} needs a GPU backend (found "
+        f"{jax.default_backend()!r}); pass interpret=True to run the Pallas (Triton) kernel "
+        "in the Pallas interpreter, or implementation='xla' for the reference")
   return implementation
 
 

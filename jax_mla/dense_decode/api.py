@@ -3,6 +3,8 @@
 Each public function validates its inputs, then either runs the jax.numpy
 reference (``implementation="xla"``) or lowers its metadata to query groups
 (see :mod:`jax_mla.dense_decode.pallas`) and runs the shared split-KV kernel.
+``mla_decode_paged`` also has a Mosaic GPU kernel for Hopper
+(:mod:`jax_mla.dense_decode.mosaic`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax_mla._common import (
   check_shape,
   resolve_implementation,
 )
+from jax_mla.dense_decode import mosaic
 from jax_mla.dense_decode import pallas as kern
 from jax_mla.dense_decode import reference as ref
 
@@ -144,9 +147,10 @@ def mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "causal", "implementation", "interpret"))
+    jax.jit,
+    static_argnames=("sm_scale", "causal", "num_kv_splits", "implementation", "interpret"))
 def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, causal=False,
-                     implementation=None, interpret=False):
+                     num_kv_splits=None, implementation=None, interpret=False):
   """Dense MLA decode with a block table, FlashMLA ``flash_mla_with_kvcache`` convention.
 
   Args:
@@ -159,6 +163,12 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, 
       ``max_blocks * block_size``).
     sm_scale: softmax scale; default ``576 ** -0.5`` (FlashMLA's ``d_qk ** -0.5``).
     causal: for ``s_q > 1``, query ``i`` sees keys ``<= seq_len - s_q + i``.
+    num_kv_splits: static split-KV count; ``None`` picks one that fills the GPU.
+    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU,
+      Hopper: block size 64, ``s_q * h_q`` a multiple of 64, and ``h_q`` a
+      multiple of 64 when causal with ``s_q > 1``), ``"xla"`` (the reference),
+      or ``None``: Mosaic GPU on a Hopper GPU for the shapes it takes, else
+      Triton on GPU, else the reference.
 
   Returns:
     ``(out [b, s_q, h_q, 512] q.dtype, lse f32[b, h_q, s_q])``; rows without keys
@@ -176,19 +186,28 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, 
   check_rank("cache_seqlens", cache_seqlens, 1)
   check_int32("cache_seqlens", cache_seqlens)
   check_shape("cache_seqlens", cache_seqlens, [b])
+  _check_num_splits(num_kv_splits)
   sm_scale = D_QK**-0.5 if sm_scale is None else float(sm_scale)
-  impl = resolve_implementation(implementation, interpret)
+  if implementation == "mosaic":
+    mosaic.check_supported(q, kv_cache, causal=causal)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
   if impl == "xla":
     return ref.mla_decode_paged_reference(q, kv_cache, block_table, cache_seqlens,
                                           sm_scale=sm_scale, causal=causal)
-
   max_blocks = block_table.shape[1]
+  if impl == "mosaic" or (implementation is None and not interpret
+                          and mosaic.default_for(q, kv_cache, causal=causal)):
+    splits = num_kv_splits or mosaic.default_num_splits(
+        b * s_q * h_q // mosaic.BLOCK_M, max_blocks)
+    return mosaic.paged_decode(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale,
+                               causal=causal, num_splits=splits)
+
   page_size = kv_cache.shape[1]
   meta = paged_groups(block_table, cache_seqlens, s_q=s_q, page_size=page_size)
   out, lse = _run_kernel(
       q.reshape(b * s_q * h_q, D_QK), kv_cache, meta, block_table.reshape(-1),
       kern.kernel_scales(sm_scale), h_q=h_q, rows_per_group=s_q * h_q, causal=causal,
-      num_kv_splits=None, avg_kv_len=max_blocks * page_size, out_dtype=q.dtype,
+      num_kv_splits=num_kv_splits, avg_kv_len=max_blocks * page_size, out_dtype=q.dtype,
       interpret=interpret)
   return (out.reshape(b, s_q, h_q, D_NOPE),
           lse.reshape(b, s_q, h_q).transpose(0, 2, 1))

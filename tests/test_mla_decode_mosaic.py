@@ -1,0 +1,149 @@
+"""Dense MLA decode on the Mosaic GPU kernel vs the jax.numpy reference.
+
+Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
+(``@pytest.mark.gpu``); the input checks and the tail-block helper run anywhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rel_err
+
+import jax_mla
+from jax_mla.dense_decode import mla_decode_paged, mosaic
+
+D = 576
+PAGE = 64
+
+
+def _case(rng, s_q, h_q, seqlens, *, bad_id_at=None):
+  """Shuffled block table; NaN in every slot past each sequence; junk ids past it.
+
+  ``bad_id_at=(i, j)`` also puts an invalid id inside request ``i``'s sequence
+  (its keys are masked, as the reference does).
+  """
+  b = len(seqlens)
+  max_blocks = max(1, max(-(-s // PAGE) for s in seqlens))
+  num_blocks = b * max_blocks + 3
+  bt = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+  cache = (rng.standard_normal((num_blocks, PAGE, D)) / 4).astype(np.float32)
+  used = set(bt.ravel().tolist())
+  cache[[i for i in range(num_blocks) if i not in used]] = np.nan
+  for i, s in enumerate(seqlens):
+    n = -(-s // PAGE)
+    for j in range(n, max_blocks):
+      cache[bt[i, j]] = np.nan
+      bt[i, j] = [2147480000, -1, -(2**31)][j % 3]
+    if s % PAGE:
+      cache[bt[i, n - 1], s % PAGE:] = np.nan
+  if bad_id_at is not None:
+    i, j = bad_id_at
+    bt[i, j] = num_blocks + 5
+  q = (rng.standard_normal((b, s_q, h_q, D)) / 4).astype(np.float32)
+  return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16), jnp.asarray(bt),
+          jnp.asarray(np.asarray(seqlens, np.int32)))
+
+
+def _check(args, *, causal=False, num_kv_splits=None):
+  out, lse = mla_decode_paged(*args, causal=causal, num_kv_splits=num_kv_splits,
+                              implementation="mosaic")
+  ref_out, ref_lse = mla_decode_paged(*args, causal=causal, implementation="xla")
+  out, lse = np.asarray(out, np.float32), np.asarray(lse)
+  ref_out, ref_lse = np.asarray(ref_out, np.float32), np.asarray(ref_lse)
+  assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+  assert np.isfinite(out).all()
+  assert rel_err(out, ref_out) < 1e-2
+  empty = np.isposinf(ref_lse)
+  np.testing.assert_array_equal(np.isposinf(lse), empty)
+  np.testing.assert_allclose(lse[~empty], ref_lse[~empty], atol=1e-4, rtol=0)
+  # Rows without keys are exactly zero.
+  assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
+
+
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 333, 8 * PAGE]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 3])
+def test_edge_lengths(h_q, num_kv_splits):
+  args = _case(np.random.default_rng(h_q + (num_kv_splits or 0)), 1, h_q, EDGE_LENGTHS)
+  _check(args, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_two_queries(causal):
+  args = _case(np.random.default_rng(7), 2, 128, [0, 1, 2, 65, 130, 511])
+  _check(args, causal=causal)
+
+
+@pytest.mark.gpu
+def test_small_heads_span_tokens():
+  # h_q 16, s_q 4: one 64-row tile holds four query tokens (non-causal only).
+  args = _case(np.random.default_rng(3), 4, 16, [5, 200, 64])
+  _check(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_invalid_id_inside_sequence(num_kv_splits):
+  args = _case(np.random.default_rng(11), 1, 64, [300, 129], bad_id_at=(0, 2))
+  _check(args, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.gpu
+def test_random_lengths_and_scale():
+  rng = np.random.default_rng(5)
+  seqlens = rng.integers(0, 1500, size=9).tolist()
+  q, cache, bt, sl = _case(rng, 1, 128, seqlens)
+  out, lse = mla_decode_paged(q, cache, bt, sl, sm_scale=0.07, implementation="mosaic")
+  ref_out, ref_lse = mla_decode_paged(q, cache, bt, sl, sm_scale=0.07, implementation="xla")
+  assert rel_err(out, ref_out) < 1e-2
+  assert rel_err(lse, ref_lse) < 1e-5
+
+
+@pytest.mark.parametrize("s_q,h_q,page,causal", [
+    (1, 16, 64, False), (1, 128, 32, False), (2, 32, 64, True)])
+def test_rejects_unsupported_shapes(s_q, h_q, page, causal):
+  q = jnp.zeros((2, s_q, h_q, D), jnp.bfloat16)
+  cache = jnp.zeros((4, page, D), jnp.bfloat16)
+  bt = jnp.zeros((2, 2), jnp.int32)
+  with pytest.raises(ValueError, match="implementation='pallas'"):
+    mla_decode_paged(q, cache, bt, jnp.ones((2,), jnp.int32), causal=causal,
+                     implementation="mosaic")
+
+
+@pytest.mark.gpu
+def test_default_picks_mosaic_on_hopper_only_for_supported_shapes():
+  q, cache, bt, sl = _case(np.random.default_rng(2), 1, 64, [100, 7])
+  hopper = jax.devices()[0].compute_capability.startswith("9")
+  assert mosaic.default_for(q, cache, causal=False) == (hopper and jax.__version_info__ >= (0, 11))
+  assert not mosaic.default_for(q[:, :, :16], cache, causal=False)
+
+
+def test_mosaic_is_refused_where_it_cannot_run():
+  q = jnp.zeros((1, 1, 64, D), jnp.bfloat16)
+  cache = jnp.zeros((2, PAGE, D), jnp.bfloat16)
+  bt, sl = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+  with pytest.raises(ValueError, match="no interpreter"):
+    mla_decode_paged(q, cache, bt, sl, implementation="mosaic", interpret=True)
+  with pytest.raises(ValueError, match="no Mosaic GPU kernel"):
+    jax_mla.sparse_mla_prefill(q[0], cache[0], bt, sm_scale=0.1, implementation="mosaic")
+  if jax.default_backend() == "cpu":
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+      mla_decode_paged(q, cache, bt, sl, implementation="mosaic")
+
+
+def test_tail_blocks_zero_past_the_sequence():
+  q, cache, bt, sl = _case(np.random.default_rng(1), 1, 64, [70, 128, 0, 1],
+                           bad_id_at=(3, 0))
+  tail = np.asarray(mosaic._tail_blocks(cache, bt, sl).astype(jnp.float32))
+  tail = tail.reshape(5, PAGE, D)
+  assert np.isfinite(tail).all()
+  c = np.asarray(cache.astype(jnp.float32))
+  np.testing.assert_array_equal(tail[0, :6], c[int(bt[0, 1]), :6])
+  assert np.all(tail[0, 6:] == 0)
+  np.testing.assert_array_equal(tail[1], c[int(bt[1, 1])])  # full last block: a plain copy
+  assert np.all(tail[2] == 0) and np.all(tail[3] == 0) and np.all(tail[4] == 0)
