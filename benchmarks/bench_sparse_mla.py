@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
 from jax_mla.cache.formats import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
-from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla import prefill_mosaic, sparse_mla_decode, sparse_mla_prefill
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
 
@@ -119,11 +119,12 @@ def check(small=False) -> bool:
     lens = jax.random.randint(k[3], (s_q,), 0, topk + 1, jnp.int32)
     sink = _sink(k[4], h_q)
     kw = dict(sm_scale=d_qk ** -0.5, attn_sink=sink, topk_length=lens)
-    got = sparse_mla_prefill(q, kv, idx, implementation="pallas", **kw)
     ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
-    report(f"prefill d{d_qk} h{h_q} topk{topk}", got, ref, 2)
-    ml = rel_err(got[1], ref[1])
-    print(f"      max_logits {ml:.2e}")
+    for impl in ["pallas"] + (["mosaic"] if prefill_mosaic.default_for(q) else []):
+      got = sparse_mla_prefill(q, kv, idx, implementation=impl, **kw)
+      report(f"prefill[{impl}] d{d_qk} h{h_q} topk{topk}", got, ref, 2)
+      ml = rel_err(got[1], ref[1])
+      print(f"      max_logits {ml:.2e}")
 
   for dt, d_qk, bs, ebs, extra in (("fp8_ds_mla", 576, 64, None, None),
                                    ("fp8_model1", 512, 256, 64, 1024),
@@ -219,34 +220,38 @@ def _prefill_call(spec: Prefill, **kw):
 
 
 def run(rows=ROWS) -> list[Row]:
-  """Each row through the public op; the timed call is checked against the reference
+  """Each row through the public op, once per GPU kernel that takes it (prefill:
+  Triton, and Mosaic GPU on Hopper); the timed call is checked against the reference
   first (prefill: on the first 64 tokens; decode: the whole call)."""
   dev = device_name()
   out = []
   for name, spec in rows.items():
     if isinstance(spec, Prefill):
       sets, flop = _prefill_sets(spec)
-      fn = _prefill_call(spec)
       q, kv, idx, sink = sets[0]
-      got = fn(q[:64], kv, idx[:64], sink)
       ref = _prefill_call(spec, implementation="xla")(q[:64], kv, idx[:64], sink)
+      impls = ["pallas"] + (["mosaic"] if prefill_mosaic.default_for(q) else [])
+      calls = [(f"sparse_mla_prefill[{impl}]", _prefill_call(spec, implementation=impl))
+               for impl in impls]
+      checked_args = (q[:64], kv, idx[:64], sink)
       lse_at = 2
     else:
       sets, flop = _decode_sets(spec)
-      fn = _decode_call(spec)
-      got = fn(*sets[0])
+      calls = [("sparse_mla_decode", _decode_call(spec))]
+      checked_args = sets[0]
       lse_at = 1
       try:
         ref = _decode_call(spec, implementation="xla")(*sets[0])
       except Exception as e:  # noqa: BLE001 - the reference is a check here, not the subject
         print(f"{name}: reference failed ({str(e).splitlines()[0][:100]}); not checked")
         ref = None
-    if ref is not None:
-      check_close(f"{name} out", got[0], ref[0])
-      check_close(f"{name} lse", got[lse_at], ref[lse_at], tol=1e-3)
-    us = time_us(fn, sets, reps=10)
-    out.append(Row("sparse_mla_prefill" if isinstance(spec, Prefill) else "sparse_mla_decode",
-                   name, us, flop / us / 1e6, "TFLOP/s", spec.anchor, "FlashMLA", dev))
+    for op, fn in calls:
+      if ref is not None:
+        got = fn(*checked_args)
+        check_close(f"{op} {name} out", got[0], ref[0])
+        check_close(f"{op} {name} lse", got[lse_at], ref[lse_at], tol=1e-3)
+      us = time_us(fn, sets, reps=10)
+      out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", spec.anchor, "FlashMLA", dev))
     del sets
   return out
 

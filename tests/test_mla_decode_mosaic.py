@@ -130,7 +130,9 @@ def test_mosaic_is_refused_where_it_cannot_run():
   with pytest.raises(ValueError, match="no interpreter"):
     mla_decode_paged(q, cache, bt, sl, implementation="mosaic", interpret=True)
   with pytest.raises(ValueError, match="no Mosaic GPU kernel"):
-    jax_mla.sparse_mla_prefill(q[0], cache[0], bt, sm_scale=0.1, implementation="mosaic")
+    x, cu = jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.asarray([0, 4], jnp.int32)
+    jax_mla.mla_prefill(x, x, x[..., :128], cu, cu, max_seqlen_q=4, max_seqlen_k=4,
+                        sm_scale=None, implementation="mosaic")
   if jax.default_backend() == "cpu":
     with pytest.raises(ValueError, match="needs a GPU backend"):
       mla_decode_paged(q, cache, bt, sl, implementation="mosaic")

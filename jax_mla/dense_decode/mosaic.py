@@ -35,13 +35,13 @@ Other shapes belong to the Triton kernel (``implementation="pallas"``).
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_mla import _mosaic
 from jax_mla._common import LN2, LOG2E, cdiv
 from jax_mla.dense_decode.pallas import D_NOPE, D_QK, D_ROPE, combine_splits, num_sms
 
@@ -49,18 +49,6 @@ BLOCK_M = 64  # query rows per CTA: one wgmma M
 PAGE = 64  # keys per pipeline step: one cache block
 HALF = D_NOPE // 2  # output columns per consumer warpgroup (wgmma N <= 256)
 NUM_STAGES = 2  # 72 KiB query + 2 x 72 KiB key stages fill the 227 KiB of SMEM
-
-
-def _plgpu():
-  # Imported on use: the module needs absl and only lowers for CUDA.
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  return plgpu
-
-
-def _row_layout(plgpu):
-  """Layout of a per-row vector reduced from a WGMMA-layout tile (name varies by jax)."""
-  wgmma = plgpu.Layout.WGMMA
-  return wgmma.reduce(1) if hasattr(wgmma, "reduce") else plgpu.Layout.WGMMA_ROW
 
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, smem, barriers, *,
@@ -86,7 +74,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    row = _row_layout(plgpu)
+    row = _mosaic.row_layout(plgpu)
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, PAGE), 1, layout=plgpu.Layout.WGMMA)
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF), jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row)
@@ -223,16 +211,13 @@ def check_supported(q, kv_cache, *, causal):
 
 
 def default_for(q, kv_cache, *, causal) -> bool:
-  """Whether ``implementation=None`` runs this kernel: a Hopper GPU, a jax it was
-  checked on (0.11), a supported shape, and Mosaic GPU importable."""
-  if jax.__version_info__ < (0, 11) or jax.default_backend() != "gpu":
-    return False
-  if getattr(jax.devices()[0], "compute_capability", "").split(".")[0] != "9":
+  """Whether ``implementation=None`` runs this kernel: Hopper (see
+  :func:`jax_mla._mosaic.on_hopper`) and a supported shape."""
+  if not _mosaic.on_hopper():
     return False
   try:
     check_supported(q, kv_cache, causal=causal)
-    _plgpu()
-  except (ValueError, ImportError):
+  except ValueError:
     return False
   return True
 
@@ -242,7 +227,7 @@ def default_for(q, kv_cache, *, causal) -> bool:
 def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, num_splits):
   """Runs the kernel; inputs validated by :func:`jax_mla.dense_decode.mla_decode_paged`
   and :func:`check_supported`. Same results as that function."""
-  plgpu = _plgpu()
+  plgpu = _mosaic.plgpu()
   b, s_q, h_q, _ = q.shape
   num_blocks, max_blocks = kv_cache.shape[0], block_table.shape[1]
   rows = b * s_q * h_q
@@ -274,9 +259,8 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, n
 
   out_type = (jax.ShapeDtypeStruct((num_splits, rows, D_NOPE), jnp.bfloat16),
               jax.ShapeDtypeStruct((num_splits, rows), jnp.float32))
-  out_kw = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
   out, lse = plgpu.kernel(
-      entry, **{out_kw: out_type},
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
       # The row tiles of one request are adjacent in launch order (the last grid axis
       # is blockIdx.x): they read the same cache blocks, which L2 then serves once.
       grid=(b, num_splits, tiles), grid_names=("b", "s", "t"), num_threads=3,

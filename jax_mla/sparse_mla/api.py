@@ -17,6 +17,7 @@ from jax_mla._common import (
   resolve_implementation,
 )
 from jax_mla.cache.formats import check_cache, latent_size
+from jax_mla.sparse_mla import prefill_mosaic
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import sparse_mla_prefill_pallas
 from jax_mla.sparse_mla.reference import sparse_mla_decode_reference, sparse_mla_prefill_reference
@@ -73,8 +74,10 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
       unchanged; ``+inf`` gives a zero output, ``-inf`` has no effect.
     topk_length: optional int32 ``[s_q]``: token ``i`` only uses
       ``indices[i, :topk_length[i]]`` (values are clamped to ``[0, topk]``).
-    implementation: ``None`` (Pallas on GPU), ``"pallas"`` or ``"xla"`` (reference).
-    interpret: run the Pallas kernel in the interpreter (CPU tests).
+    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU, Hopper,
+      ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks Mosaic GPU on a
+      Hopper GPU for the shapes it takes, else Triton on GPU, else the reference.
+    interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
     ``(out, max_logits, lse)``: ``out`` bf16 ``[s_q, h_q, d_v]``; ``max_logits``
@@ -103,7 +106,11 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
   _check_lengths("topk_length", topk_length, s_q)
-  impl = resolve_implementation(implementation, interpret)
+  if implementation == "mosaic":
+    prefill_mosaic.check_supported(q)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
+  if implementation is None and not interpret and prefill_mosaic.default_for(q):
+    impl = "mosaic"
   return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=_check_scale(sm_scale),
                   d_v=d_v, impl=impl, interpret=interpret)
 
@@ -113,6 +120,9 @@ def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, int
   if impl == "xla":
     return sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length,
                                         sm_scale=sm_scale, d_v=d_v)
+  if impl == "mosaic":
+    return prefill_mosaic.sparse_prefill(q, kv, indices, attn_sink, topk_length,
+                                         sm_scale=sm_scale)
   return sparse_mla_prefill_pallas(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale,
                                    d_v=d_v, interpret=interpret)
 

@@ -1,0 +1,135 @@
+"""One call of each GPU kernel on small adversarial inputs, for ``compute-sanitizer``.
+
+  compute-sanitizer --tool memcheck python -m benchmarks.sanitize [--only NAME,...]
+
+No references and no timing: under memcheck every XLA kernel is instrumented too,
+and a test file's reference computations made earlier runs too slow to finish.
+Inputs name invalid indices and block ids of every kind (negative, ``-2**31``,
+``2**31 - 1``, one past the end) and hold NaN in every slot no index names, so
+a kernel that reads what it must not shows up as an error or a non-finite output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mla.cache.formats import quantize_fp8_ds_mla, quantize_fp8_model1_cache
+from jax_mla.dense_decode import mla_decode_paged
+from jax_mla.dense_prefill import mla_prefill
+from jax_mla.sparse_mla import prefill_mosaic, sparse_mla_decode, sparse_mla_prefill
+
+BAD = np.asarray([-1, -2**31, 2**31 - 1, -123456])
+
+
+def _bad_indices(rng, shape, num_slots):
+  idx = rng.integers(0, num_slots, shape)
+  bad = np.concatenate([BAD, [num_slots, num_slots + 7]])
+  return np.where(rng.random(shape) < 0.2, bad[rng.integers(0, bad.size, shape)], idx
+                  ).astype(np.int32)
+
+
+def _nan_unused(rows, idx):
+  """``rows[num_slots, ...]`` float32 with NaN in every slot that ``idx`` does not name."""
+  used = np.zeros(rows.shape[0], bool)
+  used[idx[(idx >= 0) & (idx < rows.shape[0])]] = True
+  rows[~used] = np.nan
+  return rows
+
+
+def sparse_prefill(impl):
+  rng = np.random.default_rng(0)
+  for d_qk in (576, 512):
+    s_q, h_q, s_kv, topk = 5, 128, 300, 150
+    idx = _bad_indices(rng, (s_q, topk), s_kv)
+    kv = _nan_unused(rng.standard_normal((s_kv, d_qk)).astype(np.float32) / 3, idx)
+    q = rng.standard_normal((s_q, h_q, d_qk)) / 3
+    lengths = np.asarray([150, 0, 64, 65, 3], np.int32)
+    yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
+                             jnp.asarray(idx), sm_scale=d_qk ** -0.5, topk_length=lengths,
+                             attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
+
+
+def sparse_decode(impl):
+  rng = np.random.default_rng(1)
+  b, s_q, h_q = 2, 2, 64
+  for fmt, d_qk, bs, extra_bs in (("fp8_ds_mla", 576, 64, None), ("fp8_model1", 512, 64, 2)):
+    def cache(num_blocks, block_size, topk, d_qk=d_qk, fmt=fmt):
+      idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)
+      rows = _nan_unused(rng.standard_normal((num_blocks * block_size, d_qk)).astype(np.float32),
+                         idx.ravel())
+      rows = jnp.asarray(rows.reshape(num_blocks, block_size, d_qk), jnp.bfloat16)
+      quant = quantize_fp8_ds_mla if fmt == "fp8_ds_mla" else quantize_fp8_model1_cache
+      return quant(rows), jnp.asarray(idx)
+
+    main, idx = cache(5, bs, 100)
+    extra = cache(7, extra_bs, 33) if extra_bs else (None, None)
+    q = jnp.asarray(rng.standard_normal((b, s_q, h_q, d_qk)) / 3, jnp.bfloat16)
+    yield sparse_mla_decode(q, main, idx, kv_cache_dtype=fmt, extra_kv_cache=extra[0],
+                            extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
+                            implementation=impl)[0]
+
+
+def dense_decode(impl):
+  rng = np.random.default_rng(2)
+  page, d = 64, 576
+  seqlens = np.asarray([0, 1, 63, 65, 333], np.int32)
+  b, max_blocks = seqlens.size, 6
+  num_blocks = b * max_blocks + 3
+  bt = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+  cache = np.full((num_blocks, page, d), np.nan, np.float32)
+  for i, s in enumerate(seqlens):
+    n = -(-s // page)
+    for j in range(n):
+      cache[bt[i, j], : min(page, s - j * page)] = rng.standard_normal((min(page, s - j * page), d))
+    bt[i, n:] = BAD[np.arange(max_blocks - n) % BAD.size]
+  q = jnp.asarray(rng.standard_normal((b, 1, 64, d)) / 3, jnp.bfloat16)
+  yield mla_decode_paged(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(bt),
+                         jnp.asarray(seqlens), causal=False, implementation=impl)[0]
+
+
+def dense_prefill(impl):
+  rng = np.random.default_rng(3)
+  lens = np.asarray([0, 1, 70, 129], np.int32)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+  t = int(lens.sum())
+  q, k = (jnp.asarray(rng.standard_normal((t, 4, 192)), jnp.bfloat16) for _ in range(2))
+  v = jnp.asarray(rng.standard_normal((t, 4, 128)), jnp.bfloat16)
+  yield mla_prefill(q, k, v, cu, cu, max_seqlen_q=129, max_seqlen_k=129, sm_scale=None,
+                    causal=True, implementation=impl)
+
+
+KERNELS = {
+    "sparse_prefill_pallas": (sparse_prefill, "pallas"),
+    "sparse_prefill_mosaic": (sparse_prefill, "mosaic"),
+    "sparse_decode_pallas": (sparse_decode, "pallas"),
+    "dense_decode_mosaic": (dense_decode, "mosaic"),
+    "dense_decode_pallas": (dense_decode, "pallas"),
+    "dense_prefill_pallas": (dense_prefill, "pallas"),
+}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--only", default=",".join(KERNELS))
+  args = ap.parse_args()
+  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+  bad = 0
+  for name in args.only.split(","):
+    fn, impl = KERNELS[name]
+    if impl == "mosaic" and not prefill_mosaic.default_for(jnp.zeros((1, 64, 576), jnp.bfloat16)):
+      print(f"{name}: skipped (needs Hopper and jax >= 0.11)", flush=True)
+      continue
+    for out in fn(impl):
+      finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+      bad += not finite
+      print(f"{name}: ran, output {'finite' if finite else 'NOT FINITE'}", flush=True)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
