@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
 from jax_mla.cache.formats import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
-from jax_mla.sparse_mla import prefill_mosaic, sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
 
@@ -120,7 +120,7 @@ def check(small=False) -> bool:
     sink = _sink(k[4], h_q)
     kw = dict(sm_scale=d_qk ** -0.5, attn_sink=sink, topk_length=lens)
     ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
-    for impl in ["pallas"] + (["mosaic"] if prefill_mosaic.default_for(q) else []):
+    for impl in ["pallas"] + (["mosaic"] if mosaic.prefill_default_for(q) else []):
       got = sparse_mla_prefill(q, kv, idx, implementation=impl, **kw)
       report(f"prefill[{impl}] d{d_qk} h{h_q} topk{topk}", got, ref, 2)
       ml = rel_err(got[1], ref[1])
@@ -230,7 +230,7 @@ def run(rows=ROWS) -> list[Row]:
       sets, flop = _prefill_sets(spec)
       q, kv, idx, sink = sets[0]
       ref = _prefill_call(spec, implementation="xla")(q[:64], kv, idx[:64], sink)
-      impls = ["pallas"] + (["mosaic"] if prefill_mosaic.default_for(q) else [])
+      impls = ["pallas"] + (["mosaic"] if mosaic.prefill_default_for(q) else [])
       calls = [(f"sparse_mla_prefill[{impl}]", _prefill_call(spec, implementation=impl))
                for impl in impls]
       checked_args = (q[:64], kv, idx[:64], sink)

@@ -21,7 +21,7 @@ import numpy as np
 from jax_mla.cache.formats import quantize_fp8_ds_mla, quantize_fp8_model1_cache
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.dense_prefill import mla_prefill
-from jax_mla.sparse_mla import prefill_mosaic, sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
 
 BAD = np.asarray([-1, -2**31, 2**31 - 1, -123456])
 
@@ -105,7 +105,7 @@ def dense_prefill(impl):
 
 KERNELS = {
     "sparse_prefill_pallas": (sparse_prefill, "pallas"),
-    "sparse_prefill_mosaic": (sparse_prefill, "mosaic"),
+    "sparse_mosaic": (sparse_prefill, "mosaic"),
     "sparse_decode_pallas": (sparse_decode, "pallas"),
     "dense_decode_mosaic": (dense_decode, "mosaic"),
     "dense_decode_pallas": (dense_decode, "pallas"),
@@ -121,7 +121,7 @@ def main():
   bad = 0
   for name in args.only.split(","):
     fn, impl = KERNELS[name]
-    if impl == "mosaic" and not prefill_mosaic.default_for(jnp.zeros((1, 64, 576), jnp.bfloat16)):
+    if impl == "mosaic" and not mosaic.prefill_default_for(jnp.zeros((1, 64, 576), jnp.bfloat16)):
       print(f"{name}: skipped (needs Hopper and jax >= 0.11)", flush=True)
       continue
     for out in fn(impl):

@@ -17,7 +17,7 @@ from jax_mla._common import (
   resolve_implementation,
 )
 from jax_mla.cache.formats import check_cache, latent_size
-from jax_mla.sparse_mla import prefill_mosaic
+from jax_mla.sparse_mla import mosaic
 from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
 from jax_mla.sparse_mla.prefill_pallas import sparse_mla_prefill_pallas
 from jax_mla.sparse_mla.reference import sparse_mla_decode_reference, sparse_mla_prefill_reference
@@ -107,9 +107,9 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
   _check_sink(attn_sink, h_q)
   _check_lengths("topk_length", topk_length, s_q)
   if implementation == "mosaic":
-    prefill_mosaic.check_supported(q)
+    mosaic.check_prefill_supported(q)
   impl = resolve_implementation(implementation, interpret, has_mosaic=True)
-  if implementation is None and not interpret and prefill_mosaic.default_for(q):
+  if implementation is None and not interpret and mosaic.prefill_default_for(q):
     impl = "mosaic"
   return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=_check_scale(sm_scale),
                   d_v=d_v, impl=impl, interpret=interpret)
@@ -121,8 +121,7 @@ def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, int
     return sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length,
                                         sm_scale=sm_scale, d_v=d_v)
   if impl == "mosaic":
-    return prefill_mosaic.sparse_prefill(q, kv, indices, attn_sink, topk_length,
-                                         sm_scale=sm_scale)
+    return mosaic.sparse_prefill(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale)
   return sparse_mla_prefill_pallas(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale,
                                    d_v=d_v, interpret=interpret)
 
@@ -156,8 +155,11 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
       (same format, its own block size, ``extra_indices[b, s_q, extra_topk]``,
       ``extra_topk_length[b]``) attended in the same softmax as the main one
       (DeepSeek V4: sliding window + compressed cache).
-    implementation: ``None`` (Pallas on GPU), ``"pallas"`` or ``"xla"`` (reference).
-    interpret: run the Pallas kernel in the interpreter (CPU tests).
+    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU, Hopper:
+      ``"fp8_ds_mla"`` or ``"auto"``, one key set, ``h_q`` a multiple of 64) or ``"xla"``
+      (reference). ``None`` picks Mosaic GPU on a Hopper GPU for the inputs it takes,
+      else Triton on GPU, else the reference.
+    interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
     ``(out, lse)``: ``out`` bf16 ``[b, s_q, h_q, d_v]``; ``lse`` float32
@@ -200,7 +202,12 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
   scale = d_qk ** -0.5 if sm_scale is None else _check_scale(sm_scale)
-  impl = resolve_implementation(implementation, interpret)
+  if implementation == "mosaic":
+    mosaic.check_decode_supported(q, kv_cache_dtype, has_extra)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
+  if (implementation is None and not interpret
+      and mosaic.decode_default_for(q, kv_cache_dtype, has_extra)):
+    impl = "mosaic"
   return _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
                  extra_topk_length, attn_sink, kv_cache_dtype=kv_cache_dtype, sm_scale=scale,
                  d_v=d_v, impl=impl, interpret=interpret)
@@ -226,6 +233,10 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
   if impl == "xla":
     out, _, lse = sparse_mla_decode_reference(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
                                               sm_scale=sm_scale, d_v=d_v)
+  elif impl == "mosaic":
+    ((cache, idx, lengths),) = sets
+    out, _, lse = mosaic.sparse_decode(qf, cache, idx, lengths, attn_sink,
+                                       kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale)
   else:
     out, _, lse = sparse_mla_decode_pallas(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
                                            sm_scale=sm_scale, d_v=d_v, interpret=interpret)

@@ -1,0 +1,486 @@
+"""Pallas Mosaic GPU kernel (Hopper wgmma) for sparse MLA prefill and decode.
+
+The second backend of :func:`jax_mla.sparse_mla.sparse_mla_prefill` and
+:func:`jax_mla.sparse_mla.sparse_mla_decode` (``implementation="mosaic"``, and the
+default on Hopper GPUs for the shapes it takes). One CTA takes one query token and
+64 of its heads, and three warpgroups:
+
+- a producer warpgroup loads the 64-head query tile once with TMA, then gathers
+  the token's key rows, 64 per step, into a two-stage shared-memory ring of bf16
+  tiles in the swizzled wgmma layout. Hopper has no gather TMA, so each thread
+  moves 16-byte pieces itself (8 threads per 128-byte tile row, FlashMLA's split):
+  bf16 rows with ``cp.async``; ``fp8_ds_mla`` rows by loading the fp8 bytes and
+  their scales into registers, dequantizing, and storing bf16 (the RoPE part,
+  bf16 already, with ``cp.async``). An invalid index reads nothing and leaves a
+  zero row, so NaN in unused slots never reaches the arithmetic. It also writes
+  each row's validity next to the stage;
+- two consumer warpgroups each own 256 of the 512 output columns; both compute
+  the same ``S = Q K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), mask the
+  invalid columns to ``-inf``, run the online softmax in base 2, and multiply
+  ``P`` by their half of ``V`` (the first 512 columns of the same rows).
+
+The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad
+``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
+
+Shapes: ``h_q`` a multiple of 64; prefill ``d_qk`` 576 or 512 (bf16); decode one key
+set (no extra cache) in ``fp8_ds_mla`` or bf16 (``"auto"``). Everything else
+belongs to the Triton kernel (``implementation="pallas"``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_mla import _mosaic
+from jax_mla._common import LN2, LOG2E, cdiv
+from jax_mla.cache.formats import (
+  DS_MLA_BYTES,
+  DS_MLA_NUM_TILES,
+  DS_MLA_ROPE_OFFSET,
+  DS_MLA_SCALE_OFFSET,
+)
+
+BLOCK_H = 64  # query heads per CTA: one wgmma M
+BLOCK_K = 64  # gathered key rows per pipeline step
+HALF = 256  # output columns per consumer warpgroup (wgmma N <= 256)
+D_MAIN = 512  # columns held as two 256-wide halves: V, and K's NoPE part
+NUM_STAGES = 2  # 72 KiB query + 2 x 72 KiB key stages fill the 227 KiB of SMEM
+TILE = 64  # bf16 columns in one 128-byte swizzled tile row
+THREADS_PER_ROW = TILE * 2 // 16  # 16-byte copies per tile row
+DECODE_FORMATS = ("fp8_ds_mla", "auto")
+
+
+def _check_heads(q, what: str) -> None:
+  h_q = q.shape[-2]
+  if h_q % BLOCK_H:
+    raise ValueError(f"the Mosaic GPU sparse-{what} kernel needs h_q a multiple of {BLOCK_H} "
+                     f"(got {h_q}); use implementation='pallas' (Triton) for this shape")
+
+
+def check_prefill_supported(q) -> None:
+  """Raises ``ValueError`` for prefill shapes this kernel does not take (Triton does)."""
+  _check_heads(q, "prefill")
+
+
+def check_decode_supported(q, kv_cache_dtype: str, has_extra: bool) -> None:
+  """Raises ``ValueError`` for decode inputs this kernel does not take (Triton does)."""
+  if kv_cache_dtype not in DECODE_FORMATS:
+    raise ValueError(f"the Mosaic GPU sparse-decode kernel reads kv_cache_dtype "
+                     f"{' or '.join(map(repr, DECODE_FORMATS))} (got {kv_cache_dtype!r}); use "
+                     "implementation='pallas' (Triton) for it")
+  if has_extra:
+    raise ValueError("the Mosaic GPU sparse-decode kernel takes one key set (no "
+                     "extra_kv_cache); use implementation='pallas' (Triton) for two")
+  _check_heads(q, "decode")
+
+
+def _default(check, *args) -> bool:
+  if not _mosaic.on_hopper():
+    return False
+  try:
+    check(*args)
+  except ValueError:
+    return False
+  return True
+
+
+def prefill_default_for(q) -> bool:
+  """Whether ``implementation=None`` runs this kernel for a prefill (Hopper, supported shape)."""
+  return _default(check_prefill_supported, q)
+
+
+def decode_default_for(q, kv_cache_dtype: str, has_extra: bool) -> bool:
+  """Whether ``implementation=None`` runs this kernel for a decode: Hopper and supported inputs."""
+  return _default(check_decode_supported, q, kv_cache_dtype, has_extra)
+
+
+def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
+  """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
+
+  ``row_format``: ``"bf16"`` (rows of ``d_qk`` bf16, copied with ``cp.async``) or
+  ``"fp8_ds_mla"`` (656-byte rows, dequantized in registers).
+  """
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  fp8 = row_format == "fp8_ds_mla"
+  row_bytes = DS_MLA_BYTES if fp8 else 2 * d_qk
+  rope_at = DS_MLA_ROPE_OFFSET if fp8 else 2 * D_MAIN  # byte offset of the RoPE part
+  groups = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
+  rows_per_thread = BLOCK_K // groups
+
+  def gather(ctx, idx_ref, kv_ref, main_ref, rope_ref, valid_ref):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    i8 = ir.IntegerType.get_signless(8)
+    index = ir.IndexType.get()
+    void = ir.Type.parse("!llvm.void")
+    c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
+    at = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)  # noqa: E731
+    tid = arith.remui(mgpu.thread_idx(), c32(128))
+    lane = arith.andi(tid, c32(THREADS_PER_ROW - 1))  # 16-byte piece of a 128-byte tile row
+    group = arith.shrui(tid, c32(3))
+    kv_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                 mgpu_utils.memref_ptr(kv_ref))
+    main_base = mgpu_utils.memref_ptr(main_ref)
+    rope_base = mgpu_utils.memref_ptr(rope_ref)
+
+    # A thread's rows differ by 16 = two 8-row tiles, so they share the swizzle
+    # (row % 8 == group % 8) and sit a fixed stride apart in the stage.
+    r8 = arith.andi(group, c32(7))
+    first_tile_row = arith.shrui(group, c32(3))
+
+    def dst(buf, tiles_per_row, col_tile, chunk):
+      """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
+      in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
+      tile = arith.addi(arith.muli(first_tile_row, c32(tiles_per_row)), col_tile)
+      off = arith.addi(arith.muli(tile, c32(8 * 128)),
+                       arith.addi(arith.muli(r8, c32(128)),
+                                  arith.muli(arith.xori(chunk, r8), c32(16))))
+      return at(buf, off)
+
+    row_stride = (groups // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
+    rope_stride = (groups // 8) * 8 * 128
+
+    def main_dst(col_tile: int, chunk):  # main_ref: [2 halves][8 row tiles][4 col tiles][8][64]
+      half, col_tile = divmod(col_tile, HALF // TILE)
+      return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
+
+    rows, oks = [], []
+    for local_row in range(rows_per_thread):
+      row = arith.addi(group, c32(local_row * groups))
+      idx = memref.load(idx_ref, [arith.index_cast(index, row)])
+      ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0)),
+                      arith.cmpi(arith.CmpIPredicate.slt, idx, c32(num_slots)))
+      src_row = arith.extui(i64, arith.select(ok, idx, c32(0)))
+      rows.append(at(kv_base, arith.muli(src_row, mgpu.c(row_bytes, i64))))
+      oks.append(ok)
+      memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
+
+    def cp_async(dst_ptr, src_ptr, ok):
+      nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
+      llvm.inline_asm(void, [dst_ptr, src_ptr, nbytes],
+                      "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r",
+                      has_side_effects=True)
+
+    lane_bytes = arith.extui(i64, arith.muli(lane, c32(16)))
+    if d_qk > D_MAIN:  # the bf16 RoPE tile, one 16-byte piece per thread and row
+      rope_dst = dst(rope_base, 1, c32(0), lane)
+      for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
+        cp_async(at(rope_dst, c32(r * rope_stride)), at(src, arith.addi(
+            lane_bytes, mgpu.c(rope_at, i64))), ok)
+    if not fp8:  # bf16 NoPE tiles: cp.async straight into the stage
+      for tile in range(D_MAIN // TILE):
+        d = main_dst(tile, lane)
+        for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
+          cp_async(at(d, c32(r * row_stride)), at(src, arith.addi(
+              lane_bytes, mgpu.c(tile * 128, i64))), ok)
+    else:
+      # fp8 NoPE: thread `lane` holds bytes [lane*16, +16) of each 128-value scale tile
+      # k, i.e. bf16 columns k*128 + lane*16 .. +16: column tile 2k + lane // 4,
+      # 16-byte chunks 2 * (lane % 4) and the next.
+      chunk = arith.muli(arith.andi(lane, c32(3)), c32(2))
+      col_tile = arith.shrui(lane, c32(2))
+      dsts = []
+      for k in range(DS_MLA_NUM_TILES):
+        half = 2 * k // (HALF // TILE)  # lane // 4 < 2 keeps the half fixed per k
+        ct = arith.addi(col_tile, c32(2 * k - half * (HALF // TILE)))
+        for c in (chunk, arith.addi(chunk, c32(1))):
+          dsts.append(at(dst(main_base, HALF // TILE, ct, c), c32(half * BLOCK_K * HALF * 2)))
+      for pair in range(0, rows_per_thread, 2):
+        operands, kinds = [], []
+        for r in (pair, pair + 1):
+          operands += [at(rows[r], lane_bytes), at(rows[r], mgpu.c(DS_MLA_SCALE_OFFSET, i64)),
+                       arith.extui(i32, oks[r])]
+          kinds += ["l", "l", "r"]
+        operands += dsts
+        kinds += ["r"] * len(dsts)
+        llvm.inline_asm(void, operands, _dequant_asm((pair * row_stride, (pair + 1) * row_stride)),
+                        ",".join(kinds), has_side_effects=True)
+    llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
+
+  return gather
+
+
+def _dequant_asm(row_offsets) -> str:
+  """PTX for ``len(row_offsets)`` fp8_ds_mla rows of one thread: load 4 x 16 fp8 bytes
+  (one piece per scale tile) and the row's 4 float32 scales, dequantize to bf16, store
+  2 x 16 bytes per piece at the stage addresses (+ the row's byte offset).
+
+  Operands: per row (data address, scale address, valid), then 8 shared addresses
+  (lo/hi piece of each scale tile, first row). An invalid row loads nothing: zeros.
+  """
+  n = len(row_offsets)
+  lines = ["{", f".reg .pred p<{n}>;", f".reg .b32 x<{16 * n}>;", f".reg .f32 s<{4 * n}>;",
+           ".reg .b16 lo16, hi16, e<4>;", ".reg .b32 c<2>, o<8>;", ".reg .f32 f<4>;"]
+  for r in range(n):
+    data, scale, valid = 3 * r, 3 * r + 1, 3 * r + 2
+    lines.append(f"setp.ne.b32 p{r}, ${valid}, 0;")
+    lines += [f"mov.b32 x{16 * r + i}, 0;" for i in range(16)]
+    lines += [f"mov.f32 s{4 * r + k}, 0f00000000;" for k in range(4)]
+    for k in range(4):
+      xs = ", ".join(f"x{16 * r + 4 * k + i}" for i in range(4))
+      lines.append(f"@p{r} ld.global.nc.v4.b32 {{{xs}}}, [${data}+{128 * k}];")
+    ss = ", ".join(f"s{4 * r + k}" for k in range(4))
+    lines.append(f"@p{r} ld.global.nc.v4.f32 {{{ss}}}, [${scale}];")
+  for r, row_off in enumerate(row_offsets):
+    for k in range(4):
+      for i in range(4):
+        lines += [f"mov.b32 {{lo16, hi16}}, x{16 * r + 4 * k + i};",
+                  "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
+                  "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
+        lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
+        lines += [f"mul.f32 f{j}, f{j}, s{4 * r + k};" for j in range(4)]
+        lines += [f"cvt.rn.bf16x2.f32 o{2 * i}, f1, f0;",  # hi = the odd column
+                  f"cvt.rn.bf16x2.f32 o{2 * i + 1}, f3, f2;"]
+      lo, hi = 3 * n + 2 * k, 3 * n + 2 * k + 1
+      lines += [f"st.shared.v4.b32 [${lo}+{row_off}], {{o0, o1, o2, o3}};",
+                f"st.shared.v4.b32 [${hi}+{row_off}], {{o4, o5, o6, o7}};"]
+  lines.append("}")
+  return "\n".join(lines)
+
+
+def _wait_copies(ctx):
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.wait_all;", "",
+                  has_side_effects=True)
+
+
+# Register split (one CTA per SM, 3 x 128 threads, 64K registers): the consumers hold a
+# 64 x 256 float32 accumulator; the fp8 producer holds two rows of bytes and scales.
+REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (224, 64)}
+
+
+def _kernel(len_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, ml_ref, lse_ref, smem, barriers,
+            *, plgpu, h_q, num_slots, d_qk, row_format, scale):
+  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats = smem
+  q_bar, kv_bar, free_bar, done_bar = barriers
+  t = lax.axis_index("t")
+  h0 = lax.axis_index("h") * BLOCK_H
+  wg = lax.axis_index("wg")
+  r0 = t * h_q + h0
+  steps = lax.div(len_ref[t] + (BLOCK_K - 1), BLOCK_K)
+  has_rope = d_qk > D_MAIN
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(REGISTERS[row_format][0], action="increase")
+    row = _mosaic.row_layout(plgpu)
+    acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, HALF), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row)
+    l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
+    plgpu.barrier_wait(q_bar)
+
+    def step(i, carry):
+      acc, m, l = carry
+      slot = lax.rem(i, NUM_STAGES)
+      plgpu.barrier_wait(kv_bar.at[slot])
+
+      def qk(s_ref):
+        for h in range(2):
+          plgpu.wgmma(s_ref, q_main.at[h], kv_main.at[slot, h].transpose((1, 0)))
+        if has_rope:
+          plgpu.wgmma(s_ref, q_rope, kv_rope.at[slot].transpose((1, 0)))
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
+      ok = plgpu.load(valid.at[slot], (), layout=_mosaic.col_layout(plgpu), optimized=False)
+      s = jnp.where(lax.broadcast_in_dim(ok, s.shape, [1]) != 0, s, -jnp.inf)
+      # m is kept in scaled base-2 units; the scale folds into the exp2's FMA.
+      m_new = jnp.maximum(m, s.max(axis=1) * scale)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(jnp.bfloat16)
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, kv_main.at[slot, wg])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(free_bar.at[slot])
+      return acc, m_new, l
+
+    acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+
+    # Both consumers are done with Q: its halves become the output staging.
+    plgpu.barrier_arrive(done_bar)
+    plgpu.barrier_wait(done_bar)
+    live = l > 0  # a valid key adds exp2(0) = 1 at the row max
+    l_safe = jnp.where(live, l, 1.0)
+    lse2 = m + jnp.log2(l_safe)
+    sink = plgpu.load(sink_smem, (), layout=row, optimized=False)
+    # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
+    inv = jnp.where(live, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))), 0.0)
+    q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
+
+    @pl.when(wg == 0)
+    def _():
+      stats.at[0][...] = jnp.where(live, m * LN2, -jnp.inf)
+
+    @pl.when(wg == 1)
+    def _():
+      stats.at[1][...] = jnp.where(live, lse2 * LN2, jnp.inf)
+
+    plgpu.commit_smem()
+    rows = pl.ds(r0, BLOCK_H)
+    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[rows, pl.ds(wg * HALF, HALF)])
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[rows])
+
+    @pl.when(wg == 1)
+    def _():
+      plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(REGISTERS[row_format][1], action="decrease")
+    rows = pl.ds(r0, BLOCK_H)
+    for h in range(2):
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h], q_bar)
+    if has_rope:
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope, q_bar)
+    plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem, q_bar)
+
+    swizzled = plgpu.RefType(_swizzled(plgpu))
+    gather = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), swizzled, swizzled, plgpu.RefType()),
+    )(_gather_fn(row_format=row_format, num_slots=num_slots, d_qk=d_qk))
+    wait_copies = plgpu.inline_mgpu()(_wait_copies)
+
+    def ready(i):
+      # Each thread waits for its own copies; the fence orders them before wgmma's
+      # (async-proxy) reads; the arrival (all 128 threads count as one) publishes them.
+      wait_copies()
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(kv_bar.at[lax.rem(i, NUM_STAGES)])
+
+    @pl.loop(0, steps)
+    def _(i):
+      slot = lax.rem(i, NUM_STAGES)
+
+      # Stage i - 1 landed while the consumers worked on i - 2: publish it before
+      # waiting for slot i's previous reader, so the consumers never wait on an issue.
+      @pl.when(i >= 1)
+      def _():
+        ready(i - 1)
+
+      @pl.when(i >= NUM_STAGES)
+      def _():
+        plgpu.barrier_wait(free_bar.at[slot])
+
+      gather(idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
+             kv_rope.at[slot], valid.at[slot])
+
+    @pl.when(steps >= 1)
+    def _():
+      ready(steps - 1)
+
+
+def _swizzled(plgpu):
+  return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+
+
+def _clean_indices(indices, lengths, num_slots):
+  """``indices[T, topk]`` -> ``[T, topk padded to 64]`` with every unusable entry ``-1``."""
+  topk = indices.shape[1]
+  padded = cdiv(topk, BLOCK_K) * BLOCK_K
+  pos = jnp.arange(padded, dtype=jnp.int32)
+  indices = jnp.pad(indices, ((0, 0), (0, padded - topk)), constant_values=-1)
+  keep = (pos[None, :] < lengths[:, None]) & (indices >= 0) & (indices < num_slots)
+  return jnp.where(keep, indices, -1)
+
+
+def _attend(q, rows, indices, lengths, attn_sink, *, row_format, sm_scale):
+  """The kernel over tokens ``q[T, h_q, d_qk]`` and key ``rows[num_slots, row width]``
+  (bf16 latents or fp8_ds_mla bytes); ``lengths`` already clipped to ``[0, topk]``.
+  Returns ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``."""
+  plgpu = _mosaic.plgpu()
+  tokens, h_q, d_qk = q.shape
+  num_slots = rows.shape[0]
+  indices = _clean_indices(indices, lengths, num_slots)
+  sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
+          else attn_sink.astype(jnp.float32))
+
+  swizzled = _swizzled(plgpu)
+  rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
+  smem = (
+      plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((NUM_STAGES, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((NUM_STAGES, BLOCK_K, rope), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((NUM_STAGES, BLOCK_K), jnp.int32),
+      plgpu.SMEM((BLOCK_H,), jnp.float32),
+      plgpu.SMEM((2, BLOCK_H), jnp.float32),
+  )
+  q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
+  barriers = (
+      plgpu.Barrier(num_arrivals=q_copies),
+      plgpu.Barrier(num_arrivals=1, num_barriers=NUM_STAGES),  # stage gathered (producer)
+      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),  # stage free: both consumers
+      plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+  )
+  kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, num_slots=num_slots, d_qk=d_qk,
+                             row_format=row_format, scale=sm_scale * LOG2E)
+
+  def entry(*refs):
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                  barriers, collective_axes="wg")
+
+  n = tokens * h_q
+  out_type = (jax.ShapeDtypeStruct((n, D_MAIN), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n,), jnp.float32),
+              jax.ShapeDtypeStruct((n,), jnp.float32))
+  out, max_logits, lse = plgpu.kernel(
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
+      # The head blocks of one token are adjacent in launch order (the last grid axis
+      # is blockIdx.x): they gather the same rows, which L2 then serves once.
+      grid=(tokens, h_q // BLOCK_H), grid_names=("t", "h"), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(lengths, indices, q.reshape(n, d_qk), rows, sink)
+  return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
+          lse.reshape(tokens, h_q))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def sparse_prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale):
+  """Prefill on the kernel; inputs validated by :func:`jax_mla.sparse_mla.sparse_mla_prefill`
+  and :func:`check_prefill_supported`. Same results as that function.
+
+  ``q[s_q, h_q, d_qk]``, ``kv[s_kv, d_qk]``, ``indices[s_q, topk]``, ``attn_sink``
+  ``[h_q]`` float32 or None, ``topk_length`` ``[s_q]`` int32 or None.
+  """
+  s_q, topk = indices.shape
+  lengths = (jnp.full((s_q,), topk, jnp.int32) if topk_length is None
+             else jnp.clip(topk_length, 0, topk))
+  return _attend(q, kv, indices, lengths, attn_sink, row_format="bf16", sm_scale=sm_scale)
+
+
+def sparse_decode(q, kv_cache, indices, lengths, attn_sink, *, kv_cache_dtype, sm_scale):
+  """Decode on the kernel (call under jit); inputs validated by
+  :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_decode_supported`.
+
+  ``q[T, h_q, d_qk]`` (batch and query position flattened), ``kv_cache[num_blocks,
+  block_size, *]``, ``indices[T, topk]`` global slots, ``lengths[T]``. Returns
+  ``(out, max_logits, lse)`` over ``T``.
+  """
+  num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+  rows = kv_cache.reshape(num_slots, kv_cache.shape[2])
+  row_format = "fp8_ds_mla" if kv_cache_dtype == "fp8_ds_mla" else "bf16"
+  lengths = jnp.clip(lengths, 0, indices.shape[1])
+  return _attend(q, rows, indices, lengths, attn_sink, row_format=row_format, sm_scale=sm_scale)
