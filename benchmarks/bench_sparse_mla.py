@@ -220,8 +220,8 @@ def _prefill_call(spec: Prefill, **kw):
 
 
 def run(rows=ROWS) -> list[Row]:
-  """Each row through the public op, once per GPU kernel that takes it (prefill:
-  Triton, and Mosaic GPU on Hopper); the timed call is checked against the reference
+  """Each row through the public op, once per GPU kernel that takes it (Triton, and
+  Mosaic GPU on Hopper where it takes the row); the timed call is checked against the reference
   first (prefill: on the first 64 tokens; decode: the whole call)."""
   dev = device_name()
   out = []
@@ -237,7 +237,10 @@ def run(rows=ROWS) -> list[Row]:
       lse_at = 2
     else:
       sets, flop = _decode_sets(spec)
-      calls = [("sparse_mla_decode", _decode_call(spec))]
+      impls = ["pallas"] + (["mosaic"] if mosaic.decode_default_for(
+          sets[0][0], spec.dtype, spec.extra is not None) else [])
+      calls = [(f"sparse_mla_decode[{impl}]", _decode_call(spec, implementation=impl))
+               for impl in impls]
       checked_args = sets[0]
       lse_at = 1
       try:
