@@ -195,16 +195,11 @@ def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
         ct = arith.addi(col_tile, c32(2 * k - half * (HALF // TILE)))
         for c in (chunk, arith.addi(chunk, c32(1))):
           dsts.append(at(dst(main_base, HALF // TILE, ct, c), c32(half * BLOCK_K * HALF * 2)))
-      for pair in range(0, rows_per_thread, 2):
-        operands, kinds = [], []
-        for r in (pair, pair + 1):
-          operands += [at(rows[r], lane_bytes), at(rows[r], mgpu.c(DS_MLA_SCALE_OFFSET, i64)),
-                       arith.extui(i32, oks[r])]
-          kinds += ["l", "l", "r"]
-        operands += dsts
-        kinds += ["r"] * len(dsts)
-        llvm.inline_asm(void, operands, _dequant_asm((pair * row_stride, (pair + 1) * row_stride)),
-                        ",".join(kinds), has_side_effects=True)
+      for r in range(rows_per_thread):
+        operands = [at(rows[r], lane_bytes), at(rows[r], mgpu.c(DS_MLA_SCALE_OFFSET, i64)),
+                    arith.extui(i32, oks[r]), *dsts]
+        llvm.inline_asm(void, operands, _dequant_asm((r * row_stride,)),
+                        ",".join(["l", "l", "r"] + ["r"] * len(dsts)), has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
   return gather
@@ -256,9 +251,12 @@ def _wait_copies(ctx):
                   has_side_effects=True)
 
 
-# Register split (one CTA per SM, 3 x 128 threads, 64K registers): the consumers hold a
-# 64 x 256 float32 accumulator; the fp8 producer holds two rows of bytes and scales.
-REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (224, 64)}
+# Register split (consumer, producer) per thread. The kernel starts at 168 each (64K /
+# 384 threads) and setmaxnreg only moves registers between warpgroups, so 2 x consumer +
+# producer must be 3 x 168 = 504, or the consumers' increase waits forever (a hang
+# seen with 224 / 64). The consumers hold a 64 x 256 float32 accumulator; the fp8
+# producer a row of bytes and scales at a time.
+REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (224, 56)}
 
 
 def _kernel(len_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, ml_ref, lse_ref, smem, barriers,
