@@ -107,7 +107,7 @@ def dense_prefill(impl):
 
 KERNELS = {
     "sparse_prefill_pallas": (sparse_prefill, "pallas"),
-    "sparse_mosaic": (sparse_prefill, "mosaic"),
+    "sparse_prefill_mosaic": (sparse_prefill, "mosaic"),
     "sparse_decode_pallas": (sparse_decode, "pallas"),
     "sparse_decode_mosaic": (sparse_decode, "mosaic"),
     "dense_decode_mosaic": (dense_decode, "mosaic"),
