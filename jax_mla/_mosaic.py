@@ -9,6 +9,9 @@ from __future__ import annotations
 import inspect
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 
 def plgpu():
@@ -47,3 +50,26 @@ def on_hopper() -> bool:
   except ImportError:
     return False
   return True
+
+
+def online_softmax_step(plgpu_mod, s, m, l, acc, v_ref, scale: float):
+  """One key block of a consumer warpgroup's online softmax and ``P V``.
+
+  ``s`` float32 scores (WGMMA layout, ``-inf`` where there is no key), ``m`` the running
+  row max in scaled base-2 units, ``l`` the running sum, ``acc`` the float32 output
+  accumulator, ``v_ref`` the SMEM values for ``acc``'s columns, ``scale`` the softmax
+  scale times ``log2(e)``. Returns the new ``(acc, m, l)``.
+  """
+  # The scale folds into the exp2's FMA.
+  m_new = jnp.maximum(m, s.max(axis=1) * scale)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  p16 = p.astype(jnp.bfloat16)
+
+  def pv(acc_ref):
+    plgpu_mod.wgmma(acc_ref, p16, v_ref)
+
+  return pl.run_state(pv)(plgpu_mod.ACC.init(acc)), m_new, l

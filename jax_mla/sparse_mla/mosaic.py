@@ -294,21 +294,9 @@ def _kernel(len_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, ml_ref, lse_ref, s
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
       ok = plgpu.load(valid.at[slot], (), layout=_mosaic.col_layout(plgpu), optimized=False)
       s = jnp.where(lax.broadcast_in_dim(ok, s.shape, [1]) != 0, s, -jnp.inf)
-      # m is kept in scaled base-2 units; the scale folds into the exp2's FMA.
-      m_new = jnp.maximum(m, s.max(axis=1) * scale)
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
-      alpha = jnp.exp2(m - m_use)
-      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(jnp.bfloat16)
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, kv_main.at[slot, wg])
-
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      acc, m, l = _mosaic.online_softmax_step(plgpu, s, m, l, acc, kv_main.at[slot, wg], scale)
       plgpu.barrier_arrive(free_bar.at[slot])
-      return acc, m_new, l
+      return acc, m, l
 
     acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
 
