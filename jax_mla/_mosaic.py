@@ -52,6 +52,18 @@ def on_hopper() -> bool:
   return True
 
 
+def default_for(check, *args, **kwargs) -> bool:
+  """Whether ``implementation=None`` runs a Mosaic GPU kernel: :func:`on_hopper` and
+  ``check(*args, **kwargs)`` (the kernel's ``ValueError``-raising shape check) passes."""
+  if not on_hopper():
+    return False
+  try:
+    check(*args, **kwargs)
+  except ValueError:
+    return False
+  return True
+
+
 def online_softmax_step(plgpu_mod, s, m, l, acc, v_ref, scale: float):
   """One key block of a consumer warpgroup's online softmax and ``P V``.
 

@@ -199,15 +199,8 @@ def check_supported(q, kv_cache, *, causal):
 
 
 def default_for(q, kv_cache, *, causal) -> bool:
-  """Whether ``implementation=None`` runs this kernel: Hopper (see
-  :func:`jax_mla._mosaic.on_hopper`) and a supported shape."""
-  if not _mosaic.on_hopper():
-    return False
-  try:
-    check_supported(q, kv_cache, causal=causal)
-  except ValueError:
-    return False
-  return True
+  """Whether ``implementation=None`` runs this kernel: Hopper and a supported shape."""
+  return _mosaic.default_for(check_supported, q, kv_cache, causal=causal)
 
 
 @functools.partial(jax.jit,

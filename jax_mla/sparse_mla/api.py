@@ -45,6 +45,18 @@ def _check_lengths(name: str, lengths, size: int) -> None:
     check_shape(name, lengths, (size,))
 
 
+def _check_decode_indices(name: str, indices, b: int, s_q: int) -> None:
+  check_rank(name, indices, 3)
+  check_int32(name, indices)
+  check_shape(name, indices, (b, s_q, None))
+  _check_topk(name, indices)
+
+
+def _check_topk(name: str, indices) -> None:
+  if indices.shape[-1] < 1:
+    raise ValueError(f"{name} must have topk >= 1; got shape {list(indices.shape)}")
+
+
 def _check_scale(sm_scale) -> float:
   if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
     raise TypeError(f"sm_scale must be a Python float (static); got {type(sm_scale).__name__}")
@@ -101,8 +113,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
     check_shape("indices", indices, (s_q, 1, None))
     indices = indices.reshape(s_q, indices.shape[-1])
   check_shape("indices", indices, (s_q, None))
-  if indices.shape[1] < 1:
-    raise ValueError(f"indices must have topk >= 1; got shape {list(indices.shape)}")
+  _check_topk("indices", indices)
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
   _check_lengths("topk_length", topk_length, s_q)
@@ -177,11 +188,7 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   if d_qk != want_d or d_qk not in D_QKS:
     raise ValueError(f"q.shape[-1] must be {want_d} for kv_cache_dtype={kv_cache_dtype!r} "
                      f"(576 or 512); got {d_qk}")
-  check_rank("indices", indices, 3)
-  check_int32("indices", indices)
-  check_shape("indices", indices, (b, s_q, None))
-  if indices.shape[2] < 1:
-    raise ValueError(f"indices must have topk >= 1; got shape {list(indices.shape)}")
+  _check_decode_indices("indices", indices, b, s_q)
   _check_lengths("topk_length", topk_length, b)
   has_extra = extra_kv_cache is not None
   if has_extra != (extra_indices is not None):
@@ -193,11 +200,7 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
     check_dtype("extra_kv_cache", extra_kv_cache, kv_cache.dtype)
     if kv_cache_dtype == "auto":
       check_shape("extra_kv_cache", extra_kv_cache, (None, None, d_qk))
-    check_rank("extra_indices", extra_indices, 3)
-    check_int32("extra_indices", extra_indices)
-    check_shape("extra_indices", extra_indices, (b, s_q, None))
-    if extra_indices.shape[2] < 1:
-      raise ValueError(f"extra_indices must have topk >= 1; got {list(extra_indices.shape)}")
+    _check_decode_indices("extra_indices", extra_indices, b, s_q)
     _check_lengths("extra_topk_length", extra_topk_length, b)
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)

@@ -44,6 +44,7 @@ from jax_mla.cache.formats import (
   DS_MLA_ROPE_OFFSET,
   DS_MLA_SCALE_OFFSET,
 )
+from jax_mla.sparse_mla.reference import valid_slots
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
 BLOCK_K = 64  # gathered key rows per pipeline step
@@ -79,24 +80,14 @@ def check_decode_supported(q, kv_cache_dtype: str, has_extra: bool) -> None:
   _check_heads(q, "decode")
 
 
-def _default(check, *args) -> bool:
-  if not _mosaic.on_hopper():
-    return False
-  try:
-    check(*args)
-  except ValueError:
-    return False
-  return True
-
-
 def prefill_default_for(q) -> bool:
   """Whether ``implementation=None`` runs this kernel for a prefill (Hopper, supported shape)."""
-  return _default(check_prefill_supported, q)
+  return _mosaic.default_for(check_prefill_supported, q)
 
 
 def decode_default_for(q, kv_cache_dtype: str, has_extra: bool) -> bool:
   """Whether ``implementation=None`` runs this kernel for a decode: Hopper and supported inputs."""
-  return _default(check_decode_supported, q, kv_cache_dtype, has_extra)
+  return _mosaic.default_for(check_decode_supported, q, kv_cache_dtype, has_extra)
 
 
 def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
@@ -198,47 +189,42 @@ def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
       for r in range(rows_per_thread):
         operands = [at(rows[r], lane_bytes), at(rows[r], mgpu.c(DS_MLA_SCALE_OFFSET, i64)),
                     arith.extui(i32, oks[r]), *dsts]
-        llvm.inline_asm(void, operands, _dequant_asm((r * row_stride,)),
+        llvm.inline_asm(void, operands, _dequant_asm(r * row_stride),
                         ",".join(["l", "l", "r"] + ["r"] * len(dsts)), has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
   return gather
 
 
-def _dequant_asm(row_offsets) -> str:
-  """PTX for ``len(row_offsets)`` fp8_ds_mla rows of one thread: load 4 x 16 fp8 bytes
-  (one piece per scale tile) and the row's 4 float32 scales, dequantize to bf16, store
-  2 x 16 bytes per piece at the stage addresses (+ the row's byte offset).
+def _dequant_asm(row_offset: int) -> str:
+  """PTX for one fp8_ds_mla row of one thread: load 4 x 16 fp8 bytes (one piece per
+  scale tile) and the row's 4 float32 scales, dequantize to bf16, store 2 x 16 bytes
+  per piece at the stage addresses + ``row_offset`` bytes.
 
-  Operands: per row (data address, scale address, valid), then 8 shared addresses
-  (lo/hi piece of each scale tile, first row). An invalid row loads nothing: zeros.
+  Operands: data address, scale address, valid, then 8 shared addresses (lo/hi piece
+  of each scale tile, the thread's first row). An invalid row loads nothing: zeros.
   """
-  n = len(row_offsets)
-  lines = ["{", f".reg .pred p<{n}>;", f".reg .b32 x<{16 * n}>;", f".reg .f32 s<{4 * n}>;",
-           ".reg .b16 lo16, hi16, e<4>;", ".reg .b32 c<2>, o<8>;", ".reg .f32 f<4>;"]
-  for r in range(n):
-    data, scale, valid = 3 * r, 3 * r + 1, 3 * r + 2
-    lines.append(f"setp.ne.b32 p{r}, ${valid}, 0;")
-    lines += [f"mov.b32 x{16 * r + i}, 0;" for i in range(16)]
-    lines += [f"mov.f32 s{4 * r + k}, 0f00000000;" for k in range(4)]
-    for k in range(4):
-      xs = ", ".join(f"x{16 * r + 4 * k + i}" for i in range(4))
-      lines.append(f"@p{r} ld.global.nc.v4.b32 {{{xs}}}, [${data}+{128 * k}];")
-    ss = ", ".join(f"s{4 * r + k}" for k in range(4))
-    lines.append(f"@p{r} ld.global.nc.v4.f32 {{{ss}}}, [${scale}];")
-  for r, row_off in enumerate(row_offsets):
-    for k in range(4):
-      for i in range(4):
-        lines += [f"mov.b32 {{lo16, hi16}}, x{16 * r + 4 * k + i};",
-                  "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
-                  "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
-        lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
-        lines += [f"mul.f32 f{j}, f{j}, s{4 * r + k};" for j in range(4)]
-        lines += [f"cvt.rn.bf16x2.f32 o{2 * i}, f1, f0;",  # hi = the odd column
-                  f"cvt.rn.bf16x2.f32 o{2 * i + 1}, f3, f2;"]
-      lo, hi = 3 * n + 2 * k, 3 * n + 2 * k + 1
-      lines += [f"st.shared.v4.b32 [${lo}+{row_off}], {{o0, o1, o2, o3}};",
-                f"st.shared.v4.b32 [${hi}+{row_off}], {{o4, o5, o6, o7}};"]
+  lines = ["{", ".reg .pred p<1>;", ".reg .b32 x<16>;", ".reg .f32 s<4>;",
+           ".reg .b16 lo16, hi16, e<4>;", ".reg .b32 c<2>, o<8>;", ".reg .f32 f<4>;",
+           "setp.ne.b32 p0, $2, 0;"]
+  lines += [f"mov.b32 x{i}, 0;" for i in range(16)]
+  lines += [f"mov.f32 s{k}, 0f00000000;" for k in range(4)]
+  for k in range(4):
+    xs = ", ".join(f"x{4 * k + i}" for i in range(4))
+    lines.append(f"@p0 ld.global.nc.v4.b32 {{{xs}}}, [$0+{128 * k}];")
+  lines.append("@p0 ld.global.nc.v4.f32 {s0, s1, s2, s3}, [$1];")
+  for k in range(4):
+    for i in range(4):
+      lines += [f"mov.b32 {{lo16, hi16}}, x{4 * k + i};",
+                "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
+                "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
+      lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
+      lines += [f"mul.f32 f{j}, f{j}, s{k};" for j in range(4)]
+      lines += [f"cvt.rn.bf16x2.f32 o{2 * i}, f1, f0;",  # hi = the odd column
+                f"cvt.rn.bf16x2.f32 o{2 * i + 1}, f3, f2;"]
+    lo, hi = 3 + 2 * k, 4 + 2 * k
+    lines += [f"st.shared.v4.b32 [${lo}+{row_offset}], {{o0, o1, o2, o3}};",
+              f"st.shared.v4.b32 [${hi}+{row_offset}], {{o4, o5, o6, o7}};"]
   lines.append("}")
   return "\n".join(lines)
 
@@ -385,20 +371,19 @@ def _swizzled(plgpu):
 def _clean_indices(indices, lengths, num_slots):
   """``indices[T, topk]`` -> ``[T, topk padded to 64]`` with every unusable entry ``-1``."""
   topk = indices.shape[1]
-  padded = cdiv(topk, BLOCK_K) * BLOCK_K
-  pos = jnp.arange(padded, dtype=jnp.int32)
-  indices = jnp.pad(indices, ((0, 0), (0, padded - topk)), constant_values=-1)
-  keep = (pos[None, :] < lengths[:, None]) & (indices >= 0) & (indices < num_slots)
-  return jnp.where(keep, indices, -1)
+  indices = jnp.pad(indices, ((0, 0), (0, cdiv(topk, BLOCK_K) * BLOCK_K - topk)),
+                    constant_values=-1)
+  return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
 def _attend(q, rows, indices, lengths, attn_sink, *, row_format, sm_scale):
   """The kernel over tokens ``q[T, h_q, d_qk]`` and key ``rows[num_slots, row width]``
-  (bf16 latents or fp8_ds_mla bytes); ``lengths`` already clipped to ``[0, topk]``.
+  (bf16 latents or fp8_ds_mla bytes); ``lengths[T]`` int32, clipped here to ``[0, topk]``.
   Returns ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``."""
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
   num_slots = rows.shape[0]
+  lengths = jnp.clip(lengths, 0, indices.shape[1])
   indices = _clean_indices(indices, lengths, num_slots)
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
@@ -452,8 +437,7 @@ def sparse_prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale):
   ``[h_q]`` float32 or None, ``topk_length`` ``[s_q]`` int32 or None.
   """
   s_q, topk = indices.shape
-  lengths = (jnp.full((s_q,), topk, jnp.int32) if topk_length is None
-             else jnp.clip(topk_length, 0, topk))
+  lengths = jnp.full((s_q,), topk, jnp.int32) if topk_length is None else topk_length
   return _attend(q, kv, indices, lengths, attn_sink, row_format="bf16", sm_scale=sm_scale)
 
 
@@ -468,5 +452,4 @@ def sparse_decode(q, kv_cache, indices, lengths, attn_sink, *, kv_cache_dtype, s
   num_slots = kv_cache.shape[0] * kv_cache.shape[1]
   rows = kv_cache.reshape(num_slots, kv_cache.shape[2])
   row_format = "fp8_ds_mla" if kv_cache_dtype == "fp8_ds_mla" else "bf16"
-  lengths = jnp.clip(lengths, 0, indices.shape[1])
   return _attend(q, rows, indices, lengths, attn_sink, row_format=row_format, sm_scale=sm_scale)
