@@ -120,7 +120,7 @@ def check(small=False) -> bool:
     sink = _sink(k[4], h_q)
     kw = dict(sm_scale=d_qk ** -0.5, attn_sink=sink, topk_length=lens)
     ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
-    for impl in ["pallas"] + (["mosaic"] if mosaic.prefill_default_for(q) else []):
+    for impl in ["pallas"] + (["mosaic"] if mosaic.default_for(q) else []):
       got = sparse_mla_prefill(q, kv, idx, implementation=impl, **kw)
       report(f"prefill[{impl}] d{d_qk} h{h_q} topk{topk}", got, ref, 2)
       ml = rel_err(got[1], ref[1])
@@ -157,9 +157,10 @@ def check(small=False) -> bool:
       ecache = make_cache(k[7], enb, ebs, jnp.where(jnp.arange(extra) < elens[:, None, None],
                                                    eidx, -1))
       kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=elens)
-    got = sparse_mla_decode(q, cache, idx, implementation="pallas", **kw)
     ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
-    report(f"decode {dt} bs{bs} extra{extra}", got, ref, 1)
+    for impl in ["pallas"] + (["mosaic"] if mosaic.default_for(q) else []):
+      got = sparse_mla_decode(q, cache, idx, implementation=impl, **kw)
+      report(f"decode[{impl}] {dt} bs{bs} extra{extra}", got, ref, 1)
   return all(r[-1] for r in rows)
 
 
@@ -230,15 +231,14 @@ def run(rows=ROWS) -> list[Row]:
       sets, flop = _prefill_sets(spec)
       q, kv, idx, sink = sets[0]
       ref = _prefill_call(spec, implementation="xla")(q[:64], kv, idx[:64], sink)
-      impls = ["pallas"] + (["mosaic"] if mosaic.prefill_default_for(q) else [])
+      impls = ["pallas"] + (["mosaic"] if mosaic.default_for(q) else [])
       calls = [(f"sparse_mla_prefill[{impl}]", _prefill_call(spec, implementation=impl))
                for impl in impls]
       checked_args = (q[:64], kv, idx[:64], sink)
       lse_at = 2
     else:
       sets, flop = _decode_sets(spec)
-      impls = ["pallas"] + (["mosaic"] if mosaic.decode_default_for(
-          sets[0][0], spec.dtype, spec.extra is not None) else [])
+      impls = ["pallas"] + (["mosaic"] if mosaic.default_for(sets[0][0]) else [])
       calls = [(f"sparse_mla_decode[{impl}]", _decode_call(spec, implementation=impl))
                for impl in impls]
       checked_args = sets[0]

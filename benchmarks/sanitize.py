@@ -58,8 +58,6 @@ def sparse_decode(impl):
   rng = np.random.default_rng(1)
   b, s_q, h_q = 2, 2, 64
   for fmt, d_qk, bs, extra_bs in (("fp8_ds_mla", 576, 64, None), ("fp8_model1", 512, 64, 2)):
-    if impl == "mosaic" and fmt != "fp8_ds_mla":  # the Mosaic kernel reads one fp8_ds_mla set
-      continue
     def cache(num_blocks, block_size, topk, d_qk=d_qk, fmt=fmt):
       idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)
       rows = _nan_unused(rng.standard_normal((num_blocks * block_size, d_qk)).astype(np.float32),
@@ -124,7 +122,7 @@ def main():
   bad = 0
   for name in args.only.split(","):
     fn, impl = KERNELS[name]
-    if impl == "mosaic" and not mosaic.prefill_default_for(jnp.zeros((1, 64, 576), jnp.bfloat16)):
+    if impl == "mosaic" and not mosaic.default_for(jnp.zeros((1, 64, 576), jnp.bfloat16)):
       print(f"{name}: skipped (needs Hopper and jax >= 0.11)", flush=True)
       continue
     for out in fn(impl):

@@ -12,39 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import rel_err
+from sparse_cases import BAD, bf16, decode_inputs, random_indices, random_sink
 
 import jax_mla.sparse_mla.decode_pallas as decode_pallas
-from jax_mla.cache.formats import (
-  dequantize_fp8_ds_mla,
-  dequantize_fp8_model1_cache,
-  quantize_fp8_ds_mla,
-  quantize_fp8_model1_cache,
-)
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
 
-BAD = np.array([-1, -2**31, 2**31 - 1, -123456], np.int64)  # plus s_kv, added per case
 OUT_TOL = 1e-2
 LSE_TOL = 1e-5
-
-
-def _bf16(rng, shape, scale=0.3):
-  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
-
-
-def _indices(rng, shape, num_slots, bad_frac=0.2):
-  idx = rng.integers(0, num_slots, shape)
-  bad = np.concatenate([BAD, [num_slots, num_slots + 7]])
-  mask = rng.random(shape) < bad_frac
-  idx = np.where(mask, bad[rng.integers(0, bad.size, shape)], idx)
-  return idx.astype(np.int32)
-
-
-def _sink(rng, h):
-  s = rng.standard_normal(h).astype(np.float32)
-  s[::3] = np.inf
-  s[1::3] = -np.inf
-  return jnp.asarray(s)
 
 
 def _dense_numpy(q, rows, valid, sm_scale, sink):
@@ -82,15 +57,15 @@ def _check_stats(got, ref, lse_tol=LSE_TOL):
 
 def _prefill_case(seed, s_q, h_q, d_qk, s_kv, topk, *, sink, lengths, empty_rows=()):
   rng = np.random.default_rng(seed)
-  q = _bf16(rng, (s_q, h_q, d_qk))
-  kv = _bf16(rng, (s_kv, d_qk))
-  idx = _indices(rng, (s_q, topk), s_kv)
+  q = bf16(rng, (s_q, h_q, d_qk))
+  kv = bf16(rng, (s_kv, d_qk))
+  idx = random_indices(rng, (s_q, topk), s_kv)
   for r in empty_rows:
     idx[r] = BAD[r % BAD.size]
   topk_length = None
   if lengths:
     topk_length = jnp.asarray(rng.integers(0, topk + 1, s_q), jnp.int32).at[0].set(0)
-  kw = dict(sm_scale=d_qk ** -0.5, attn_sink=_sink(rng, h_q) if sink else None,
+  kw = dict(sm_scale=d_qk ** -0.5, attn_sink=random_sink(rng, h_q) if sink else None,
             topk_length=topk_length)
   return q, kv, jnp.asarray(idx), kw
 
@@ -180,37 +155,6 @@ def test_prefill_validation():
 # ----------------------------------------------------------------------------- decode
 
 
-def _cache(rng, kv_cache_dtype, num_blocks, block_size, used):
-  """A cache whose unused slots hold NaN (fp8 0xFF bytes / bf16 NaN), and its bf16 content."""
-  d = 512 if kv_cache_dtype == "fp8_model1" else 576
-  x = np.asarray(rng.standard_normal((num_blocks, block_size, d)) * 0.3, np.float32)
-  x[~used.reshape(num_blocks, block_size)] = np.nan
-  x = jnp.asarray(x, jnp.bfloat16)
-  if kv_cache_dtype == "fp8_ds_mla":
-    cache = quantize_fp8_ds_mla(x)
-    return cache, dequantize_fp8_ds_mla(cache)
-  if kv_cache_dtype == "fp8_model1":
-    cache = quantize_fp8_model1_cache(x)
-    return cache, dequantize_fp8_model1_cache(cache)
-  return x, x
-
-
-def _key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths):
-  n = num_blocks * block_size
-  idx = _indices(rng, (b, s_q, topk), n)
-  topk_length = None
-  used_idx = idx
-  if lengths:
-    topk_length = rng.integers(0, topk + 1, b).astype(np.int32)
-    topk_length[0] = 0
-    used_idx = np.where(np.arange(topk) < topk_length[:, None, None], idx, -1)
-  used = np.zeros(n, bool)
-  used[used_idx[(used_idx >= 0) & (used_idx < n)]] = True
-  cache, dense = _cache(rng, kv_cache_dtype, num_blocks, block_size, used)
-  return (cache, dense, jnp.asarray(idx),
-          None if topk_length is None else jnp.asarray(topk_length))
-
-
 DECODE_CASES = [
     # dtype, b, s_q, h_q, topk, blocks, block_size, sink, lengths, extra (topk, blocks, bs)
     ("fp8_ds_mla", 2, 2, 16, 37, 4, 61, True, True, None),
@@ -221,25 +165,9 @@ DECODE_CASES = [
 ]
 
 
-def _decode_inputs(seed, case):
-  dt, b, s_q, h_q, topk, nb, bs, sink, lengths, extra = case
-  rng = np.random.default_rng(seed)
-  d = 512 if dt == "fp8_model1" else 576
-  q = _bf16(rng, (b, s_q, h_q, d))
-  cache, dense, idx, tl = _key_set(rng, dt, b, s_q, topk, nb, bs, lengths)
-  kw = dict(kv_cache_dtype=dt, attn_sink=_sink(rng, h_q) if sink else None, topk_length=tl)
-  sets = [(dense, idx, tl)]
-  if extra:
-    etopk, enb, ebs = extra
-    ecache, edense, eidx, etl = _key_set(rng, dt, b, s_q, etopk, enb, ebs, lengths)
-    kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=etl)
-    sets.append((edense, eidx, etl))
-  return q, cache, idx, kw, sets
-
-
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-bs{c[6]}-h{c[3]}")
 def test_decode_kernel_matches_reference(interpret, case):
-  q, cache, idx, kw, _ = _decode_inputs(3, case)
+  q, cache, idx, kw, _ = decode_inputs(3, case)
   got = sparse_mla_decode(q, cache, idx, implementation="pallas", interpret=interpret, **kw)
   ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
   b, s_q, h_q, _ = q.shape
@@ -255,7 +183,7 @@ def test_decode_kernel_matches_reference(interpret, case):
 @pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[2]], ids=["ds_mla", "model1"])
 def test_decode_u16_byte_view_and_small_blocks(interpret, monkeypatch, case):
   """The uint16 byte view (caches of 2-4 GiB) with block_k 16 gives the reference result."""
-  q, cache, idx, kw, _ = _decode_inputs(4, case)
+  q, cache, idx, kw, _ = decode_inputs(4, case)
   ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
   dt, b, s_q, h_q = case[0], *q.shape[:3]
   sets = [(cache, idx.reshape(b * s_q, -1), jnp.repeat(kw["topk_length"], s_q))]
@@ -274,7 +202,7 @@ def test_decode_u16_byte_view_and_small_blocks(interpret, monkeypatch, case):
 @pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[2]], ids=["ds_mla", "model1"])
 def test_decode_reference_matches_dense_numpy(case):
   """One softmax over main + extra rows of the dequantized caches, per query token."""
-  q, cache, idx, kw, sets = _decode_inputs(5, case)
+  q, cache, idx, kw, sets = decode_inputs(5, case)
   out, lse = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
   b, s_q, h_q, d = q.shape
   rows, valid = [], []
@@ -313,7 +241,7 @@ def test_decode_validation():
 
 def test_decode_is_jittable():
   case = DECODE_CASES[2]
-  q, cache, idx, kw, _ = _decode_inputs(6, case)
+  q, cache, idx, kw, _ = decode_inputs(6, case)
   f = jax.jit(lambda q, c, i: sparse_mla_decode(q, c, i, implementation="xla", **kw))
   out, lse = f(q, cache, idx)
   assert out.shape == q.shape[:3] + (512,) and np.isfinite(np.asarray(out, np.float32)).all()

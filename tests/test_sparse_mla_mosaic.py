@@ -8,20 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import rel_err
+from sparse_cases import decode_inputs, random_indices
 
 from jax_mla import _mosaic
-from jax_mla.cache.formats import quantize_fp8_ds_mla
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
-
-BAD = [-1, -2**31, 2**31 - 1, -123456]  # plus s_kv and s_kv + 7, added per case
-
-
-def _indices(rng, shape, num_slots, bad_frac=0.2):
-  """Random slots, a fraction replaced by invalid entries of every kind."""
-  idx = rng.integers(0, num_slots, shape)
-  bad = np.asarray(BAD + [num_slots, num_slots + 7])
-  idx = np.where(rng.random(shape) < bad_frac, bad[rng.integers(0, bad.size, shape)], idx)
-  return idx.astype(np.int32)
 
 
 def _rows(rng, num_slots, d_qk, idx):
@@ -35,7 +25,7 @@ def _rows(rng, num_slots, d_qk, idx):
 
 def _case(rng, s_q, h_q, d_qk, s_kv, topk):
   q = (rng.standard_normal((s_q, h_q, d_qk)) / 3).astype(np.float32)
-  idx = _indices(rng, (s_q, topk), s_kv)
+  idx = random_indices(rng, (s_q, topk), s_kv)
   kv = _rows(rng, s_kv, d_qk, idx)
   return jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(idx)
 
@@ -98,18 +88,24 @@ def test_sinks(d_qk):
   _check(q, kv, idx, attn_sink=jnp.asarray(sink), topk_length=lengths)
 
 
-def _decode_case(rng, b, s_q, h_q, fmt, num_blocks, block_size, topk):
-  idx = _indices(rng, (b, s_q, topk), num_blocks * block_size)
-  rows = jnp.asarray(_rows(rng, num_blocks * block_size, 576, idx).reshape(
-      num_blocks, block_size, 576), jnp.bfloat16)
-  cache = quantize_fp8_ds_mla(rows) if fmt == "fp8_ds_mla" else rows
-  q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 576)) / 3, jnp.bfloat16)
-  return q, cache, jnp.asarray(idx)
+DECODE_CASES = [
+    # dtype, b, s_q, h_q, topk, blocks, block_size, sink, lengths, extra (topk, blocks, bs)
+    ("fp8_ds_mla", 3, 2, 64, 200, 11, 64, False, False, None),
+    ("fp8_ds_mla", 5, 2, 128, 130, 10, 61, True, True, None),
+    ("auto", 3, 2, 128, 200, 301, 2, True, True, None),
+    ("auto", 2, 2, 64, 100, 5, 61, False, True, (70, 40, 2)),
+    ("fp8_model1", 3, 2, 128, 130, 3, 256, True, True, (200, 12, 64)),
+    ("fp8_model1", 4, 2, 64, 19, 30, 2, False, True, (150, 3, 64)),
+    ("fp8_model1", 2, 1, 128, 64, 2, 64, True, False, (65, 2, 128)),
+]
 
 
-def _check_decode(q, cache, idx, fmt, **kw):
-  got = sparse_mla_decode(q, cache, idx, kv_cache_dtype=fmt, implementation="mosaic", **kw)
-  ref = sparse_mla_decode(q, cache, idx, kv_cache_dtype=fmt, implementation="xla", **kw)
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-h{c[3]}-bs{c[6]}-x{c[9]}")
+def test_decode_matches_reference(case):
+  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
+  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", **kw)
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
   (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
   assert out.shape == r_out.shape and lse.shape == r_lse.shape
   assert np.isfinite(out).all()
@@ -120,40 +116,19 @@ def _check_decode(q, cache, idx, fmt, **kw):
   assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "auto"])
-@pytest.mark.parametrize("h_q,block_size", [(64, 64), (128, 61), (128, 2)])
-def test_decode_random_with_invalid_indices(fmt, h_q, block_size):
-  rng = np.random.default_rng(h_q + block_size)
-  _check_decode(*_decode_case(rng, 3, 2, h_q, fmt, 600 // block_size + 1, block_size, 200), fmt)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "auto"])
-def test_decode_lengths_and_sinks(fmt):
-  rng = np.random.default_rng(11)
-  q, cache, idx = _decode_case(rng, 5, 2, 128, fmt, 9, 64, 130)
-  sink = rng.standard_normal(128).astype(np.float32)
-  sink[::3], sink[1::3] = np.inf, -np.inf
-  _check_decode(q, cache, idx, fmt, topk_length=jnp.asarray([0, 1, 64, 130, 999], jnp.int32),
-                attn_sink=jnp.asarray(sink))
-
-
-def test_decode_rejects_what_it_does_not_take():
-  q = jnp.zeros((1, 1, 64, 512), jnp.bfloat16)
-  with pytest.raises(ValueError, match="kv_cache_dtype"):
-    mosaic.check_decode_supported(q, "fp8_model1", False)
-  with pytest.raises(ValueError, match="extra_kv_cache"):
-    mosaic.check_decode_supported(q, "fp8_ds_mla", True)
+def test_rejects_head_counts_it_does_not_take_in_decode():
+  q = jnp.zeros((1, 1, 20, 512), jnp.bfloat16)
+  cache = jnp.zeros((2, 64, 585), jnp.uint8)  # fp8_model1 block 64: 585-byte rows
   with pytest.raises(ValueError, match="multiple of 64"):
-    mosaic.check_decode_supported(q[:, :, :20], "fp8_ds_mla", False)
+    sparse_mla_decode(q, cache, jnp.zeros((1, 1, 4), jnp.int32), kv_cache_dtype="fp8_model1",
+                      implementation="mosaic")
 
 
 @pytest.mark.gpu
 def test_default_picks_mosaic_on_hopper_for_supported_heads():
   q = jnp.zeros((2, 128, 576), jnp.bfloat16)
-  assert mosaic.prefill_default_for(q) == _mosaic.on_hopper()
-  assert not mosaic.prefill_default_for(jnp.zeros((2, 20, 576), jnp.bfloat16))
+  assert mosaic.default_for(q) == _mosaic.on_hopper()
+  assert not mosaic.default_for(jnp.zeros((2, 20, 576), jnp.bfloat16))
 
 
 def test_rejects_head_counts_it_does_not_take():

@@ -117,13 +117,19 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
   _check_lengths("topk_length", topk_length, s_q)
-  if implementation == "mosaic":
-    mosaic.check_prefill_supported(q)
-  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
-  if implementation is None and not interpret and mosaic.prefill_default_for(q):
-    impl = "mosaic"
   return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=_check_scale(sm_scale),
-                  d_v=d_v, impl=impl, interpret=interpret)
+                  d_v=d_v, impl=_implementation(q, implementation, interpret),
+                  interpret=interpret)
+
+
+def _implementation(q, implementation: Implementation, interpret: bool) -> str:
+  """The kernel to run: Mosaic GPU by default on Hopper for the head counts it takes."""
+  if implementation == "mosaic":
+    mosaic.check_supported(q)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
+  if implementation is None and not interpret and mosaic.default_for(q):
+    return "mosaic"
+  return impl
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "d_v", "impl", "interpret"))
@@ -166,10 +172,9 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
       (same format, its own block size, ``extra_indices[b, s_q, extra_topk]``,
       ``extra_topk_length[b]``) attended in the same softmax as the main one
       (DeepSeek V4: sliding window + compressed cache).
-    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU, Hopper:
-      ``"fp8_ds_mla"`` or ``"auto"``, one key set, ``h_q`` a multiple of 64) or ``"xla"``
-      (reference). ``None`` picks Mosaic GPU on a Hopper GPU for the inputs it takes,
-      else Triton on GPU, else the reference.
+    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU, Hopper,
+      ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks Mosaic GPU on
+      a Hopper GPU for the head counts it takes, else Triton on GPU, else the reference.
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
@@ -205,15 +210,10 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
   scale = d_qk ** -0.5 if sm_scale is None else _check_scale(sm_scale)
-  if implementation == "mosaic":
-    mosaic.check_decode_supported(q, kv_cache_dtype, has_extra)
-  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
-  if (implementation is None and not interpret
-      and mosaic.decode_default_for(q, kv_cache_dtype, has_extra)):
-    impl = "mosaic"
   return _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
                  extra_topk_length, attn_sink, kv_cache_dtype=kv_cache_dtype, sm_scale=scale,
-                 d_v=d_v, impl=impl, interpret=interpret)
+                 d_v=d_v, impl=_implementation(q, implementation, interpret),
+                 interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_cache_dtype", "sm_scale", "d_v", "impl",
@@ -237,9 +237,8 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
     out, _, lse = sparse_mla_decode_reference(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
                                               sm_scale=sm_scale, d_v=d_v)
   elif impl == "mosaic":
-    ((cache, idx, lengths),) = sets
-    out, _, lse = mosaic.sparse_decode(qf, cache, idx, lengths, attn_sink,
-                                       kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale)
+    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
+                                       sm_scale=sm_scale)
   else:
     out, _, lse = sparse_mla_decode_pallas(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
                                            sm_scale=sm_scale, d_v=d_v, interpret=interpret)

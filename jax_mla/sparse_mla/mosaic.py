@@ -9,22 +9,24 @@ default on Hopper GPUs for the shapes it takes). One CTA takes one query token a
   the token's key rows, 64 per step, into a two-stage shared-memory ring of bf16
   tiles in the swizzled wgmma layout. Hopper has no gather TMA, so each thread
   moves 16-byte pieces itself (8 threads per 128-byte tile row, FlashMLA's split):
-  bf16 rows with ``cp.async``; ``fp8_ds_mla`` rows by loading the fp8 bytes and
-  their scales into registers, dequantizing, and storing bf16 (the RoPE part,
-  bf16 already, with ``cp.async``). An invalid index reads nothing and leaves a
-  zero row, so NaN in unused slots never reaches the arithmetic. It also writes
-  each row's validity next to the stage;
+  bf16 rows with ``cp.async``; ``fp8_ds_mla`` and ``fp8_model1`` rows by loading the
+  fp8 bytes and their scales into registers, dequantizing, and storing bf16 (the
+  RoPE part, bf16 already, with ``cp.async``). An invalid index reads nothing and
+  leaves a zero row, so NaN in unused slots never reaches the arithmetic. It also
+  writes each row's validity next to the stage. A decode with an extra key set
+  (DeepSeek V4) gathers the main set's steps, then the extra set's, into the same
+  ring: the consumers see one longer run of keys;
 - two consumer warpgroups each own 256 of the 512 output columns; both compute
   the same ``S = Q K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), mask the
   invalid columns to ``-inf``, run the online softmax in base 2, and multiply
   ``P`` by their half of ``V`` (the first 512 columns of the same rows).
 
-The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad
-``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
+The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad each
+set's ``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
 
-Shapes: ``h_q`` a multiple of 64; prefill ``d_qk`` 576 or 512 (bf16); decode one key
-set (no extra cache) in ``fp8_ds_mla`` or bf16 (``"auto"``). Everything else
-belongs to the Triton kernel (``implementation="pallas"``).
+Shapes: ``h_q`` a multiple of 64 (other head counts belong to the Triton kernel,
+``implementation="pallas"``); everything else the public functions take: prefill
+``d_qk`` 576 or 512, decode in every cache format, with or without the extra set.
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ from jax.experimental import pallas as pl
 from jax_mla import _mosaic
 from jax_mla._common import LN2, LOG2E, cdiv
 from jax_mla.cache.formats import (
-  DS_MLA_BYTES,
   DS_MLA_NUM_TILES,
   DS_MLA_ROPE_OFFSET,
   DS_MLA_SCALE_OFFSET,
+  MODEL1_DATA_BYTES,
+  MODEL1_NOPE,
+  MODEL1_NUM_TILES,
+  MODEL1_SCALE_BYTES,
+  MODEL1_TILE,
 )
 from jax_mla.sparse_mla.reference import valid_slots
 
@@ -53,57 +59,34 @@ D_MAIN = 512  # columns held as two 256-wide halves: V, and K's NoPE part
 NUM_STAGES = 2  # 72 KiB query + 2 x 72 KiB key stages fill the 227 KiB of SMEM
 TILE = 64  # bf16 columns in one 128-byte swizzled tile row
 THREADS_PER_ROW = TILE * 2 // 16  # 16-byte copies per tile row
-DECODE_FORMATS = ("fp8_ds_mla", "auto")
 
 
-def _check_heads(q, what: str) -> None:
+def check_supported(q) -> None:
+  """Raises ``ValueError`` for query shapes this kernel does not take (Triton does)."""
   h_q = q.shape[-2]
   if h_q % BLOCK_H:
-    raise ValueError(f"the Mosaic GPU sparse-{what} kernel needs h_q a multiple of {BLOCK_H} "
+    raise ValueError(f"the Mosaic GPU sparse MLA kernel needs h_q a multiple of {BLOCK_H} "
                      f"(got {h_q}); use implementation='pallas' (Triton) for this shape")
 
 
-def check_prefill_supported(q) -> None:
-  """Raises ``ValueError`` for prefill shapes this kernel does not take (Triton does)."""
-  _check_heads(q, "prefill")
+def default_for(q) -> bool:
+  """Whether ``implementation=None`` runs this kernel: Hopper and a supported shape."""
+  return _mosaic.default_for(check_supported, q)
 
 
-def check_decode_supported(q, kv_cache_dtype: str, has_extra: bool) -> None:
-  """Raises ``ValueError`` for decode inputs this kernel does not take (Triton does)."""
-  if kv_cache_dtype not in DECODE_FORMATS:
-    raise ValueError(f"the Mosaic GPU sparse-decode kernel reads kv_cache_dtype "
-                     f"{' or '.join(map(repr, DECODE_FORMATS))} (got {kv_cache_dtype!r}); use "
-                     "implementation='pallas' (Triton) for it")
-  if has_extra:
-    raise ValueError("the Mosaic GPU sparse-decode kernel takes one key set (no "
-                     "extra_kv_cache); use implementation='pallas' (Triton) for two")
-  _check_heads(q, "decode")
-
-
-def prefill_default_for(q) -> bool:
-  """Whether ``implementation=None`` runs this kernel for a prefill (Hopper, supported shape)."""
-  return _mosaic.default_for(check_prefill_supported, q)
-
-
-def decode_default_for(q, kv_cache_dtype: str, has_extra: bool) -> bool:
-  """Whether ``implementation=None`` runs this kernel for a decode: Hopper and supported inputs."""
-  return _mosaic.default_for(check_decode_supported, q, kv_cache_dtype, has_extra)
-
-
-def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
+def _gather_fn(*, row_format: str, num_slots: int, block_size: int, row_bytes: int, d_qk: int):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
-  ``row_format``: ``"bf16"`` (rows of ``d_qk`` bf16, copied with ``cp.async``) or
-  ``"fp8_ds_mla"`` (656-byte rows, dequantized in registers).
+  ``row_format``: ``"bf16"`` (rows of ``d_qk`` bf16, copied with ``cp.async``),
+  ``"fp8_ds_mla"`` (656-byte rows) or ``"fp8_model1"`` (rows spread over their cache
+  block, see :mod:`jax_mla.cache.formats`), both dequantized in registers.
+  ``row_bytes`` is the cache's last axis in bytes (a block is ``block_size`` of them).
   """
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-  fp8 = row_format == "fp8_ds_mla"
-  row_bytes = DS_MLA_BYTES if fp8 else 2 * d_qk
-  rope_at = DS_MLA_ROPE_OFFSET if fp8 else 2 * D_MAIN  # byte offset of the RoPE part
   groups = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
   rows_per_thread = BLOCK_K // groups
 
@@ -115,6 +98,7 @@ def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
     index = ir.IndexType.get()
     void = ir.Type.parse("!llvm.void")
     c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
+    c64 = lambda v: mgpu.c(v, i64)  # noqa: E731
     at = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)  # noqa: E731
     tid = arith.remui(mgpu.thread_idx(), c32(128))
     lane = arith.andi(tid, c32(THREADS_PER_ROW - 1))  # 16-byte piece of a 128-byte tile row
@@ -145,39 +129,48 @@ def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
       half, col_tile = divmod(col_tile, HALF // TILE)
       return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
 
-    rows, oks = [], []
+    rows, scales, oks = [], [], []
     for local_row in range(rows_per_thread):
       row = arith.addi(group, c32(local_row * groups))
       idx = memref.load(idx_ref, [arith.index_cast(index, row)])
       ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0)),
                       arith.cmpi(arith.CmpIPredicate.slt, idx, c32(num_slots)))
-      src_row = arith.extui(i64, arith.select(ok, idx, c32(0)))
-      rows.append(at(kv_base, arith.muli(src_row, mgpu.c(row_bytes, i64))))
+      slot = arith.select(ok, idx, c32(0))
+      if row_format == "fp8_model1":  # data at j * 576 of the block, scales at bs*576 + j*8
+        block = arith.extui(i64, arith.divui(slot, c32(block_size)))
+        j = arith.extui(i64, arith.remui(slot, c32(block_size)))
+        block_at = at(kv_base, arith.muli(block, c64(block_size * row_bytes)))
+        rows.append(at(block_at, arith.muli(j, c64(MODEL1_DATA_BYTES))))
+        scales.append(at(block_at, arith.addi(arith.muli(j, c64(MODEL1_SCALE_BYTES)),
+                                              c64(block_size * MODEL1_DATA_BYTES))))
+      else:  # rows are contiguous across blocks
+        rows.append(at(kv_base, arith.muli(arith.extui(i64, slot), c64(row_bytes))))
       oks.append(ok)
       memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
 
-    def cp_async(dst_ptr, src_ptr, ok):
-      nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
-      llvm.inline_asm(void, [dst_ptr, src_ptr, nbytes],
-                      "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r",
-                      has_side_effects=True)
-
-    lane_bytes = arith.extui(i64, arith.muli(lane, c32(16)))
-    if d_qk > D_MAIN:  # the bf16 RoPE tile, one 16-byte piece per thread and row
-      rope_dst = dst(rope_base, 1, c32(0), lane)
+    # bf16 pieces, copied as they are: (this thread's first destination, source byte
+    # offset of tile piece 0, bytes between the thread's rows in the stage).
+    copies = []
+    if row_format == "bf16":
+      copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in range(D_MAIN // TILE)]
+    if d_qk > D_MAIN:
+      rope_at = DS_MLA_ROPE_OFFSET if row_format == "fp8_ds_mla" else 2 * D_MAIN
+      copies.append((dst(rope_base, 1, c32(0), lane), rope_at, rope_stride))
+    if row_format == "fp8_model1":  # the RoPE part is column tile 7 of the 512
+      copies.append((main_dst(MODEL1_NUM_TILES, lane), MODEL1_NOPE, row_stride))
+    lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
+    for d, src_at, stride in copies:
       for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
-        cp_async(at(rope_dst, c32(r * rope_stride)), at(src, arith.addi(
-            lane_bytes, mgpu.c(rope_at, i64))), ok)
-    if not fp8:  # bf16 NoPE tiles: cp.async straight into the stage
-      for tile in range(D_MAIN // TILE):
-        d = main_dst(tile, lane)
-        for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
-          cp_async(at(d, c32(r * row_stride)), at(src, arith.addi(
-              lane_bytes, mgpu.c(tile * 128, i64))), ok)
-    else:
-      # fp8 NoPE: thread `lane` holds bytes [lane*16, +16) of each 128-value scale tile
-      # k, i.e. bf16 columns k*128 + lane*16 .. +16: column tile 2k + lane // 4,
-      # 16-byte chunks 2 * (lane % 4) and the next.
+        nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
+        llvm.inline_asm(void, [at(d, c32(r * stride)), at(src, arith.addi(lane16, c64(src_at))),
+                               nbytes],
+                        "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r",
+                        has_side_effects=True)
+
+    if row_format == "fp8_ds_mla":
+      # Thread `lane` holds bytes [lane*16, +16) of each 128-value scale tile k, i.e.
+      # bf16 columns k*128 + lane*16 .. +16: column tile 2k + lane // 4, 16-byte chunks
+      # 2 * (lane % 4) and the next.
       chunk = arith.muli(arith.andi(lane, c32(3)), c32(2))
       col_tile = arith.shrui(lane, c32(2))
       dsts = []
@@ -186,45 +179,69 @@ def _gather_fn(*, row_format: str, num_slots: int, d_qk: int):
         ct = arith.addi(col_tile, c32(2 * k - half * (HALF // TILE)))
         for c in (chunk, arith.addi(chunk, c32(1))):
           dsts.append(at(dst(main_base, HALF // TILE, ct, c), c32(half * BLOCK_K * HALF * 2)))
-      for r in range(rows_per_thread):
-        operands = [at(rows[r], lane_bytes), at(rows[r], mgpu.c(DS_MLA_SCALE_OFFSET, i64)),
-                    arith.extui(i32, oks[r]), *dsts]
-        llvm.inline_asm(void, operands, _dequant_asm(r * row_stride),
+      sources = [(at(row, lane16), at(row, c64(DS_MLA_SCALE_OFFSET))) for row in rows]
+    elif row_format == "fp8_model1":
+      # Thread `lane` holds bytes [lane*8, +8) of each 64-value scale tile k: bf16
+      # column tile k, 16-byte chunk `lane`.
+      dsts = [main_dst(k, lane) for k in range(MODEL1_NUM_TILES)]
+      lane8 = arith.extui(i64, arith.muli(lane, c32(8)))
+      sources = [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
+    if row_format != "bf16":
+      for r, ((data, scale), ok) in enumerate(zip(sources, oks, strict=True)):
+        llvm.inline_asm(void, [data, scale, arith.extui(i32, ok), *dsts],
+                        _dequant_asm(row_format, r * row_stride),
                         ",".join(["l", "l", "r"] + ["r"] * len(dsts)), has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
   return gather
 
 
-def _dequant_asm(row_offset: int) -> str:
-  """PTX for one fp8_ds_mla row of one thread: load 4 x 16 fp8 bytes (one piece per
-  scale tile) and the row's 4 float32 scales, dequantize to bf16, store 2 x 16 bytes
-  per piece at the stage addresses + ``row_offset`` bytes.
+def _dequant_asm(row_format: str, row_offset: int) -> str:
+  """PTX that dequantizes one row's share of one thread and stores it as bf16.
 
-  Operands: data address, scale address, valid, then 8 shared addresses (lo/hi piece
-  of each scale tile, the thread's first row). An invalid row loads nothing: zeros.
+  Operands: data address, scale address, valid, then the shared addresses of the
+  thread's 16-byte bf16 pieces in its first row (``row_offset`` bytes are added).
+  An invalid row loads nothing: zeros.
+
+  - ``"fp8_ds_mla"``: 4 x 16 fp8 bytes (one piece of each 128-value tile, 128 bytes
+    apart) and the row's 4 float32 scales; 8 stores (lo/hi half of each piece).
+  - ``"fp8_model1"``: 7 x 8 fp8 bytes (one piece of each 64-value tile, 64 bytes
+    apart) and the row's 8 UE8M0 scale bytes (``2**(e - 127)`` is the float32 with
+    exponent field ``e``); 7 stores.
   """
-  lines = ["{", ".reg .pred p<1>;", ".reg .b32 x<16>;", ".reg .f32 s<4>;",
-           ".reg .b16 lo16, hi16, e<4>;", ".reg .b32 c<2>, o<8>;", ".reg .f32 f<4>;",
-           "setp.ne.b32 p0, $2, 0;"]
-  lines += [f"mov.b32 x{i}, 0;" for i in range(16)]
-  lines += [f"mov.f32 s{k}, 0f00000000;" for k in range(4)]
-  for k in range(4):
-    xs = ", ".join(f"x{4 * k + i}" for i in range(4))
-    lines.append(f"@p0 ld.global.nc.v4.b32 {{{xs}}}, [$0+{128 * k}];")
-  lines.append("@p0 ld.global.nc.v4.f32 {s0, s1, s2, s3}, [$1];")
-  for k in range(4):
-    for i in range(4):
-      lines += [f"mov.b32 {{lo16, hi16}}, x{4 * k + i};",
+  ds_mla = row_format == "fp8_ds_mla"
+  words, tiles, tile_bytes = (4, 4, 128) if ds_mla else (2, MODEL1_NUM_TILES, MODEL1_TILE)
+  lines = ["{", ".reg .pred p0;", f".reg .b32 x<{words * tiles}>, o<8>, c<2>, t<2>;",
+           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s<4>;", "setp.ne.b32 p0, $2, 0;"]
+  lines += [f"mov.b32 x{i}, 0;" for i in range(words * tiles)]
+  lines += [f"mov.b32 t{i}, 0;" for i in range(2)]
+  lines += [f"mov.f32 s{i}, 0f00000000;" for i in range(4)]
+  vec = "v4" if ds_mla else "v2"
+  for k in range(tiles):
+    xs = ", ".join(f"x{words * k + i}" for i in range(words))
+    lines.append(f"@p0 ld.global.nc.{vec}.b32 {{{xs}}}, [$0+{tile_bytes * k}];")
+  if ds_mla:
+    lines.append("@p0 ld.global.nc.v4.f32 {s0, s1, s2, s3}, [$1];")
+  else:
+    lines.append("@p0 ld.global.nc.v2.b32 {t0, t1}, [$1];")
+  for k in range(tiles):
+    scale = f"s{k}"
+    if not ds_mla:
+      scale = "s0"
+      lines += [f"bfe.u32 c0, t{k // 4}, {8 * (k % 4)}, 8;", "shl.b32 c0, c0, 23;",
+                "mov.b32 s0, c0;"]
+    for i in range(words):
+      lines += [f"mov.b32 {{lo16, hi16}}, x{words * k + i};",
                 "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
                 "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
       lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
-      lines += [f"mul.f32 f{j}, f{j}, s{k};" for j in range(4)]
+      lines += [f"mul.f32 f{j}, f{j}, {scale};" for j in range(4)]
       lines += [f"cvt.rn.bf16x2.f32 o{2 * i}, f1, f0;",  # hi = the odd column
                 f"cvt.rn.bf16x2.f32 o{2 * i + 1}, f3, f2;"]
-    lo, hi = 3 + 2 * k, 4 + 2 * k
-    lines += [f"st.shared.v4.b32 [${lo}+{row_offset}], {{o0, o1, o2, o3}};",
-              f"st.shared.v4.b32 [${hi}+{row_offset}], {{o4, o5, o6, o7}};"]
+    for piece in range(words // 2):
+      operand = 3 + (words // 2) * k + piece
+      o = ", ".join(f"o{4 * piece + i}" for i in range(4))
+      lines.append(f"st.shared.v4.b32 [${operand}+{row_offset}], {{{o}}};")
   lines.append("}")
   return "\n".join(lines)
 
@@ -242,18 +259,27 @@ def _wait_copies(ctx):
 # producer must be 3 x 168 = 504, or the consumers' increase waits forever (a hang
 # seen with 224 / 64). The consumers hold a 64 x 256 float32 accumulator; the fp8
 # producer a row of bytes and scales at a time.
-REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (224, 56)}
+REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (224, 56), "fp8_model1": (224, 56)}
 
 
-def _kernel(len_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, ml_ref, lse_ref, smem, barriers,
-            *, plgpu, h_q, num_slots, d_qk, row_format, scale):
+def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathers, scale):
+  """``gathers``: one ``_gather_fn`` per key set; ``refs``: the sets' indices, then their
+  caches, then the outputs, the SMEM refs and the barriers."""
+  num_sets = len(gathers)
+  idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
+  o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats = smem
   q_bar, kv_bar, free_bar, done_bar = barriers
   t = lax.axis_index("t")
   h0 = lax.axis_index("h") * BLOCK_H
   wg = lax.axis_index("wg")
   r0 = t * h_q + h0
-  steps = lax.div(len_ref[t] + (BLOCK_K - 1), BLOCK_K)
+  # The sets' steps run back to back in one softmax: set k's rows are steps
+  # first[k] .. first[k + 1] - 1.
+  first = [0]
+  for k in range(num_sets):
+    first.append(first[-1] + lax.div(len_ref[k, t] + (BLOCK_K - 1), BLOCK_K))
+  steps = first[-1]
   has_rope = d_qk > D_MAIN
 
   @pl.when(wg < 2)
@@ -330,9 +356,7 @@ def _kernel(len_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, ml_ref, lse_ref, s
     plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem, q_bar)
 
     swizzled = plgpu.RefType(_swizzled(plgpu))
-    gather = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(), swizzled, swizzled, plgpu.RefType()),
-    )(_gather_fn(row_format=row_format, num_slots=num_slots, d_qk=d_qk))
+    arg_types = (plgpu.RefType(), plgpu.RefType(), swizzled, swizzled, plgpu.RefType())
     wait_copies = plgpu.inline_mgpu()(_wait_copies)
 
     def ready(i):
@@ -342,22 +366,26 @@ def _kernel(len_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, ml_ref, lse_ref, s
       plgpu.commit_smem()
       plgpu.barrier_arrive(kv_bar.at[lax.rem(i, NUM_STAGES)])
 
-    @pl.loop(0, steps)
-    def _(i):
-      slot = lax.rem(i, NUM_STAGES)
+    for k, (gather_fn, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
+                                                          strict=True)):
+      gather = plgpu.inline_mgpu(arg_types=arg_types)(gather_fn)
 
-      # Stage i - 1 landed while the consumers worked on i - 2: publish it before
-      # waiting for slot i's previous reader, so the consumers never wait on an issue.
-      @pl.when(i >= 1)
-      def _():
-        ready(i - 1)
+      @pl.loop(first[k], first[k + 1])
+      def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref):
+        slot = lax.rem(i, NUM_STAGES)
 
-      @pl.when(i >= NUM_STAGES)
-      def _():
-        plgpu.barrier_wait(free_bar.at[slot])
+        # Stage i - 1 landed while the consumers worked on i - 2: publish it before
+        # waiting for slot i's previous reader, so the consumers never wait on an issue.
+        @pl.when(i >= 1)
+        def _():
+          ready(i - 1)
 
-      gather(idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
-             kv_rope.at[slot], valid.at[slot])
+        @pl.when(i >= NUM_STAGES)
+        def _():
+          plgpu.barrier_wait(free_bar.at[slot])
+
+        gather(idx_ref.at[t, pl.ds((i - first[k]) * BLOCK_K, BLOCK_K)], kv_ref,
+               kv_main.at[slot], kv_rope.at[slot], valid.at[slot])
 
     @pl.when(steps >= 1)
     def _():
@@ -376,15 +404,26 @@ def _clean_indices(indices, lengths, num_slots):
   return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
-def _attend(q, rows, indices, lengths, attn_sink, *, row_format, sm_scale):
-  """The kernel over tokens ``q[T, h_q, d_qk]`` and key ``rows[num_slots, row width]``
-  (bf16 latents or fp8_ds_mla bytes); ``lengths[T]`` int32, clipped here to ``[0, topk]``.
-  Returns ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``."""
+def _attend(q, sets, attn_sink, *, row_format, sm_scale):
+  """The kernel over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
+
+  Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
+  block_size, width]`` holds bf16 latents or fp8 bytes in ``row_format``; ``lengths``
+  (int32) are clipped here to ``[0, topk]``. Returns ``(out bf16[T, h_q, 512],
+  max_logits f32[T, h_q], lse f32[T, h_q])``.
+  """
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
-  num_slots = rows.shape[0]
-  lengths = jnp.clip(lengths, 0, indices.shape[1])
-  indices = _clean_indices(indices, lengths, num_slots)
+  gathers, all_indices, all_lengths, all_rows = [], [], [], []
+  for cache, indices, lengths in sets:
+    num_blocks, block_size, width = cache.shape
+    num_slots = num_blocks * block_size
+    lengths = jnp.clip(lengths, 0, indices.shape[1])
+    all_indices.append(_clean_indices(indices, lengths, num_slots))
+    all_lengths.append(lengths)
+    all_rows.append(cache.reshape(num_slots, width))
+    gathers.append(_gather_fn(row_format=row_format, num_slots=num_slots, block_size=block_size,
+                              row_bytes=width * cache.dtype.itemsize, d_qk=d_qk))
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
 
@@ -406,8 +445,8 @@ def _attend(q, rows, indices, lengths, attn_sink, *, row_format, sm_scale):
       plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),  # stage free: both consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
   )
-  kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, num_slots=num_slots, d_qk=d_qk,
-                             row_format=row_format, scale=sm_scale * LOG2E)
+  kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, row_format=row_format,
+                             gathers=tuple(gathers), scale=sm_scale * LOG2E)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
@@ -423,7 +462,7 @@ def _attend(q, rows, indices, lengths, attn_sink, *, row_format, sm_scale):
       # is blockIdx.x): they gather the same rows, which L2 then serves once.
       grid=(tokens, h_q // BLOCK_H), grid_names=("t", "h"), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, indices, q.reshape(n, d_qk), rows, sink)
+  )(jnp.stack(all_lengths), q.reshape(n, d_qk), sink, *all_indices, *all_rows)
   return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
           lse.reshape(tokens, h_q))
 
@@ -431,25 +470,24 @@ def _attend(q, rows, indices, lengths, attn_sink, *, row_format, sm_scale):
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def sparse_prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale):
   """Prefill on the kernel; inputs validated by :func:`jax_mla.sparse_mla.sparse_mla_prefill`
-  and :func:`check_prefill_supported`. Same results as that function.
+  and :func:`check_supported`. Same results as that function.
 
   ``q[s_q, h_q, d_qk]``, ``kv[s_kv, d_qk]``, ``indices[s_q, topk]``, ``attn_sink``
   ``[h_q]`` float32 or None, ``topk_length`` ``[s_q]`` int32 or None.
   """
   s_q, topk = indices.shape
   lengths = jnp.full((s_q,), topk, jnp.int32) if topk_length is None else topk_length
-  return _attend(q, kv, indices, lengths, attn_sink, row_format="bf16", sm_scale=sm_scale)
+  return _attend(q, [(kv[:, None], indices, lengths)], attn_sink, row_format="bf16",
+                 sm_scale=sm_scale)
 
 
-def sparse_decode(q, kv_cache, indices, lengths, attn_sink, *, kv_cache_dtype, sm_scale):
+def sparse_decode(q, sets, attn_sink, *, kv_cache_dtype, sm_scale):
   """Decode on the kernel (call under jit); inputs validated by
-  :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_decode_supported`.
+  :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_supported`.
 
-  ``q[T, h_q, d_qk]`` (batch and query position flattened), ``kv_cache[num_blocks,
-  block_size, *]``, ``indices[T, topk]`` global slots, ``lengths[T]``. Returns
-  ``(out, max_logits, lse)`` over ``T``.
+  ``q[T, h_q, d_qk]`` (batch and query position flattened); ``sets`` one or two
+  ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T])``
+  attended in one softmax. Returns ``(out, max_logits, lse)`` over ``T``.
   """
-  num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-  rows = kv_cache.reshape(num_slots, kv_cache.shape[2])
-  row_format = "fp8_ds_mla" if kv_cache_dtype == "fp8_ds_mla" else "bf16"
-  return _attend(q, rows, indices, lengths, attn_sink, row_format=row_format, sm_scale=sm_scale)
+  row_format = "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
+  return _attend(q, sets, attn_sink, row_format=row_format, sm_scale=sm_scale)

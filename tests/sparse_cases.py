@@ -1,0 +1,90 @@
+"""Random sparse-MLA inputs shared by the kernel tests (import as `from sparse_cases import ...`).
+
+Cases follow FlashMLA's tests: invalid indices of every kind, short and zero
+``topk_length``, sinks at +-inf, NaN in every unused cache slot.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mla.cache.formats import (
+  dequantize_fp8_ds_mla,
+  dequantize_fp8_model1_cache,
+  quantize_fp8_ds_mla,
+  quantize_fp8_model1_cache,
+)
+
+BAD = np.array([-1, -2**31, 2**31 - 1, -123456], np.int64)  # plus s_kv, added per case
+
+
+def bf16(rng, shape, scale=0.3):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def random_indices(rng, shape, num_slots, bad_frac=0.2):
+  """Random slots, a fraction replaced by invalid entries of every kind."""
+  idx = rng.integers(0, num_slots, shape)
+  bad = np.concatenate([BAD, [num_slots, num_slots + 7]])
+  mask = rng.random(shape) < bad_frac
+  idx = np.where(mask, bad[rng.integers(0, bad.size, shape)], idx)
+  return idx.astype(np.int32)
+
+
+def random_sink(rng, h):
+  """Per-head sinks: finite, +inf and -inf."""
+  s = rng.standard_normal(h).astype(np.float32)
+  s[::3] = np.inf
+  s[1::3] = -np.inf
+  return jnp.asarray(s)
+
+
+def quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used):
+  """A cache whose unused slots hold NaN (fp8 0xFF bytes / bf16 NaN), and its bf16 content."""
+  d = 512 if kv_cache_dtype == "fp8_model1" else 576
+  x = np.asarray(rng.standard_normal((num_blocks, block_size, d)) * 0.3, np.float32)
+  x[~used.reshape(num_blocks, block_size)] = np.nan
+  x = jnp.asarray(x, jnp.bfloat16)
+  if kv_cache_dtype == "fp8_ds_mla":
+    cache = quantize_fp8_ds_mla(x)
+    return cache, dequantize_fp8_ds_mla(cache)
+  if kv_cache_dtype == "fp8_model1":
+    cache = quantize_fp8_model1_cache(x)
+    return cache, dequantize_fp8_model1_cache(cache)
+  return x, x
+
+
+def key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths):
+  """(cache, its bf16 content, indices[b, s_q, topk], topk_length[b] or None); batch 0
+  gets length 0, and only the slots the usable indices name hold numbers."""
+  n = num_blocks * block_size
+  idx = random_indices(rng, (b, s_q, topk), n)
+  topk_length = None
+  used_idx = idx
+  if lengths:
+    topk_length = rng.integers(0, topk + 1, b).astype(np.int32)
+    topk_length[0] = 0
+    used_idx = np.where(np.arange(topk) < topk_length[:, None, None], idx, -1)
+  used = np.zeros(n, bool)
+  used[used_idx[(used_idx >= 0) & (used_idx < n)]] = True
+  cache, dense = quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used)
+  return (cache, dense, jnp.asarray(idx),
+          None if topk_length is None else jnp.asarray(topk_length))
+
+
+def decode_inputs(seed, case):
+  """``(q, cache, indices, kwargs of sparse_mla_decode, [(bf16 cache, indices, lengths)]
+  per key set])`` for ``case = (dtype, b, s_q, h_q, topk, blocks, block_size, sink,
+  lengths, extra (topk, blocks, block_size) or None)``."""
+  dt, b, s_q, h_q, topk, nb, bs, sink, lengths, extra = case
+  rng = np.random.default_rng(seed)
+  d = 512 if dt == "fp8_model1" else 576
+  q = bf16(rng, (b, s_q, h_q, d))
+  cache, dense, idx, tl = key_set(rng, dt, b, s_q, topk, nb, bs, lengths)
+  kw = dict(kv_cache_dtype=dt, attn_sink=random_sink(rng, h_q) if sink else None, topk_length=tl)
+  sets = [(dense, idx, tl)]
+  if extra:
+    etopk, enb, ebs = extra
+    ecache, edense, eidx, etl = key_set(rng, dt, b, s_q, etopk, enb, ebs, lengths)
+    kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=etl)
+    sets.append((edense, eidx, etl))
+  return q, cache, idx, kw, sets
