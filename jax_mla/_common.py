@@ -31,6 +31,12 @@ def default_backend_is_gpu() -> bool:
   return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def without_mosaic(implementation: Implementation) -> Implementation:
+  """A layer's ``implementation`` for the ops it calls that have no Mosaic GPU kernel
+  (cache writes, index conversion): ``"mosaic"`` means their Triton kernel there."""
+  return "pallas" if implementation == "mosaic" else implementation
+
+
 def resolve_implementation(implementation: Implementation, interpret: bool = False, *,
                            has_mosaic: bool = False) -> str:
   """Returns "pallas", "mosaic" or "xla" for a user's ``implementation`` argument.

@@ -22,7 +22,7 @@ def _bf16(x):
   return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _setup(seed, q_lens, ctx_lens, topk, cache_dtype, padding=0):
+def _setup(seed, q_lens, ctx_lens, topk, cache_dtype, padding=0, h=H):
   rng = np.random.default_rng(seed)
   R_ = len(q_lens)
   seq_lens = np.array(ctx_lens) + np.array(q_lens)
@@ -63,16 +63,17 @@ def _setup(seed, q_lens, ctx_lens, topk, cache_dtype, padding=0):
       topk_idx[t, :k] = rng.choice(pos + 1, k, replace=False)
   if T_real > 1:
     topk_idx[1] = -1  # a token that selects nothing: zero output row
-  q = _bf16(rng.normal(size=(T, H, P + R)))
-  w_uk_t = _bf16(rng.normal(size=(H, P, L)) / np.sqrt(P))
-  w_uv = _bf16(rng.normal(size=(H, L, V)) / np.sqrt(L))
+  q = _bf16(rng.normal(size=(T, h, P + R)))
+  w_uk_t = _bf16(rng.normal(size=(h, P, L)) / np.sqrt(P))
+  w_uv = _bf16(rng.normal(size=(h, L, V)) / np.sqrt(L))
   return dict(rng=rng, bt=bt, qsl=qsl, cache=cache, slot_mapping=slot_mapping, k_c=k_c,
               k_pe=k_pe, topk_idx=topk_idx, q=q, w_uk_t=w_uk_t, w_uv=w_uv, all_lat=all_lat,
               T_real=T_real, T=T, q_lens=q_lens, ctx_lens=ctx_lens)
 
 
 def _reference(d, scale, cache_dtype):
-  out = np.zeros((d["T"], H, V))
+  h = d["q"].shape[1]
+  out = np.zeros((d["T"], h, V))
   for r in range(len(d["q_lens"])):
     lat = d["all_lat"][r].astype(np.float64)
     if cache_dtype == "fp8_ds_mla":
@@ -93,7 +94,7 @@ def _reference(d, scale, cache_dtype):
       p /= p.sum(-1, keepdims=True)
       o = _bf16(p @ k[:, :L])
       out[t] = np.einsum("hl,hlv->hv", o, d["w_uv"])
-  return out.reshape(d["T"], H * V)
+  return out.reshape(d["T"], h * V)
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
@@ -101,10 +102,12 @@ def _reference(d, scale, cache_dtype):
     (0, [3, 1, 2], [5, 20, 0], 8, 0),
     (1, [1, 4], [33, 2], 5, 2),
 ])
-def test_forward_matches_reference(seed, q_lens, ctx_lens, topk, padding, cache_dtype):
-  d = _setup(seed, q_lens, ctx_lens, topk, cache_dtype, padding)
+# The layer on the Mosaic GPU kernel needs a multiple of 64 heads.
+@pytest.mark.parametrize("impl,h", [("xla", H), pytest.param("mosaic", 64, marks=pytest.mark.gpu)])
+def test_forward_matches_reference(seed, q_lens, ctx_lens, topk, padding, cache_dtype, impl, h):
+  d = _setup(seed, q_lens, ctx_lens, topk, cache_dtype, padding, h)
   scale = (P + R) ** -0.5
-  cfg = FlashMLASparseConfig(num_heads=H, scale=scale, kv_cache_dtype=cache_dtype)
+  cfg = FlashMLASparseConfig(num_heads=h, scale=scale, kv_cache_dtype=cache_dtype)
   md = build_flashmla_sparse_metadata(jnp.asarray(d["qsl"]), jnp.asarray(d["bt"]),
                                       jnp.asarray(d["slot_mapping"]), num_tokens=d["T"],
                                       block_size=BS, topk_tokens=topk)
@@ -113,7 +116,7 @@ def test_forward_matches_reference(seed, q_lens, ctx_lens, topk, padding, cache_
       jnp.asarray(d["q"], jnp.bfloat16), jnp.asarray(d["k_c"], jnp.bfloat16),
       jnp.asarray(d["k_pe"], jnp.bfloat16), jnp.asarray(d["cache"], cache_dt),
       jnp.asarray(d["topk_idx"]), jnp.asarray(d["w_uk_t"], jnp.bfloat16),
-      jnp.asarray(d["w_uv"], jnp.bfloat16), md, config=cfg, implementation="xla")
+      jnp.asarray(d["w_uv"], jnp.bfloat16), md, config=cfg, implementation=impl)
   want = _reference(d, scale, cache_dtype)
   out = np.asarray(out, np.float32)
   assert np.isfinite(out).all()

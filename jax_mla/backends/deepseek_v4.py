@@ -432,7 +432,8 @@ def deepseek_v4_write_swa_cache(kv: jax.Array, swa_cache: jax.Array, metadata: D
   return concat_and_cache_mla(kv[:, :config.nope_head_dim], kv[:, config.nope_head_dim:],
                               swa_cache, metadata.slot_mapping,
                               kv_cache_dtype=config.kv_cache_dtype,
-                              implementation=implementation, interpret=interpret)
+                              implementation=c.without_mosaic(implementation),
+                              interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "implementation", "interpret"),
@@ -457,7 +458,8 @@ def deepseek_v4_sparse_forward(
     topk_indices: int32 ``[T, index_topk]`` request-local compressed ids from the
       indexer (ratio 4 only).
     config: static layer configuration.
-    implementation, interpret: forwarded to the sparse-MLA ops.
+    implementation, interpret: forwarded to the sparse-MLA ops (the cache write runs
+      Triton for ``"mosaic"``).
 
   Returns:
     ``(out bf16[T, num_heads, 512], swa_cache)``.

@@ -136,6 +136,8 @@ def flashmla_sparse_forward(q: jax.Array, k_c_normed: jax.Array, k_pe: jax.Array
       idle step) gives a zero output and leaves the cache as it is.
     config: static layer configuration.
     k_scale: accepted for vLLM parity; the formats here carry their own scales.
+    implementation, interpret: forwarded to the sparse-MLA op (the cache write and the
+      index conversion run Triton for ``"mosaic"``).
 
   Returns:
     ``(output [T, H * v_head_dim], kv_cache)``; rows past ``num_actual_tokens`` are 0.
@@ -155,10 +157,11 @@ def flashmla_sparse_forward(q: jax.Array, k_c_normed: jax.Array, k_pe: jax.Array
   kv_cache = concat_and_cache_mla(
       k_c_normed, k_pe.reshape(T, config.qk_rope_head_dim), kv_cache,
       jnp.where(live, metadata.slot_mapping, -1), kv_cache_dtype=config.kv_cache_dtype,
-      implementation=implementation, interpret=interpret)
+      implementation=c.without_mosaic(implementation), interpret=interpret)
   slots = convert_req_index_to_global_index(
       metadata.req_id_per_token, metadata.block_table, topk_indices,
-      block_size=metadata.block_size, implementation=implementation, interpret=interpret)
+      block_size=metadata.block_size, implementation=c.without_mosaic(implementation),
+      interpret=interpret)
   slots = jnp.where(live[:, None], slots, -1)
 
   if config.kv_cache_dtype == "fp8_ds_mla":
