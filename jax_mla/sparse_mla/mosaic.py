@@ -257,9 +257,10 @@ def _wait_copies(ctx):
 # Register split (consumer, producer) per thread. The kernel starts at 168 each (64K /
 # 384 threads) and setmaxnreg only moves registers between warpgroups, so 2 x consumer +
 # producer must be 3 x 168 = 504, or the consumers' increase waits forever (a hang
-# seen with 224 / 64). The consumers hold a 64 x 256 float32 accumulator; the fp8
-# producer a row of bytes and scales at a time.
-REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (224, 56), "fp8_model1": (224, 56)}
+# seen with 224 / 64). The consumers hold a 64 x 256 float32 accumulator. The fp8
+# producer is latency-bound: at 88 registers it keeps more rows' loads in flight than
+# at 56 (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s; 104 and 120 gave no more).
+REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (208, 88), "fp8_model1": (208, 88)}
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathers, scale):
