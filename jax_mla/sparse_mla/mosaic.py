@@ -213,17 +213,14 @@ def _dequant_asm(row_format: str, row_offset: int) -> str:
   words, tiles, tile_bytes = (4, 4, 128) if ds_mla else (2, MODEL1_NUM_TILES, MODEL1_TILE)
   lines = ["{", ".reg .pred p0;", f".reg .b32 x<{words * tiles}>, o<8>, c<2>, t<2>;",
            ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s<4>;", "setp.ne.b32 p0, $2, 0;"]
-  lines += [f"mov.b32 x{i}, 0;" for i in range(words * tiles)]
-  lines += [f"mov.b32 t{i}, 0;" for i in range(2)]
-  lines += [f"mov.f32 s{i}, 0f00000000;" for i in range(4)]
+  # The row's scales as loaded: 4 float32 (ds_mla), or 8 UE8M0 bytes in two words.
+  scale_regs = [f"s{i}" for i in range(4)] if ds_mla else ["t0", "t1"]
+  lines += [f"mov.b32 {r}, 0;" for r in [f"x{i}" for i in range(words * tiles)] + scale_regs]
   vec = "v4" if ds_mla else "v2"
   for k in range(tiles):
     xs = ", ".join(f"x{words * k + i}" for i in range(words))
     lines.append(f"@p0 ld.global.nc.{vec}.b32 {{{xs}}}, [$0+{tile_bytes * k}];")
-  if ds_mla:
-    lines.append("@p0 ld.global.nc.v4.f32 {s0, s1, s2, s3}, [$1];")
-  else:
-    lines.append("@p0 ld.global.nc.v2.b32 {t0, t1}, [$1];")
+  lines.append(f"@p0 ld.global.nc.{vec}.b32 {{{', '.join(scale_regs)}}}, [$1];")
   for k in range(tiles):
     scale = f"s{k}"
     if not ds_mla:
