@@ -1,23 +1,39 @@
-"""Conventions shared by every op: implementation dispatch and input validation.
+"""Conventions shared by every op: dispatch, device facts, MLA dimensions, validation.
 
-Every public op takes ``implementation=None | "pallas" | "xla"`` and ``interpret``.
-``None`` picks the Pallas kernel on GPU and the jax.numpy reference elsewhere;
-``interpret=True`` runs the Pallas kernel in the Pallas interpreter (CPU tests).
-Ops with a second, Pallas Mosaic GPU kernel (Hopper) also take ``"mosaic"``.
+Every public op takes ``implementation=None | "mosaic" | "triton" | "xla"``
+(``"pallas"`` is accepted as the old name of ``"triton"``) and ``interpret``.
+``None`` picks the Mosaic GPU kernel on Hopper where the op has one for the shapes,
+else the Triton kernel on a GPU, else the jax.numpy reference; ``interpret=True``
+runs the Triton kernel in the Pallas interpreter (CPU tests).
 Validation runs at trace time and raises ``ValueError``/``TypeError`` naming the
-argument, what was given and what was expected.
+argument, what was given and what was expected. Integer metadata of any integer
+dtype (numpy int64 included) is cast to int32 by :func:`as_int32`; floats are refused.
+``checks=True`` on an op adds value checks (:func:`check_values`) for what shapes
+cannot show.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
 
-Implementation = Literal["pallas", "mosaic", "xla"] | None
-IMPLEMENTATIONS = ("pallas", "mosaic", "xla")
+Implementation = Literal["mosaic", "triton", "xla", "pallas"] | None
+IMPLEMENTATIONS = ("mosaic", "triton", "xla")
+_ALIASES = {"pallas": "triton"}  # the old name of the Triton backend
+
+# MLA latent dimensions. DeepSeek V3 / V3.2: kv_c 512 + k_pe 64 = 576 per token,
+# values 512 wide. DeepSeek V4: 448 NoPE + 64 RoPE = 512 (values are the whole row).
+D_NOPE = 512
+D_ROPE = 64
+D_QK = D_NOPE + D_ROPE  # 576
+D_V = 512
+D_QK_V4 = 512
 
 # Kernels keep scores in base 2 (exp2) and turn their LSE back to natural log.
 LOG2E = 1.4426950408889634
@@ -31,37 +47,52 @@ def default_backend_is_gpu() -> bool:
   return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+@functools.cache
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device (132 on an H100 SXM when unknown)."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def without_mosaic(implementation: Implementation) -> Implementation:
   """A layer's ``implementation`` for the ops it calls that have no Mosaic GPU kernel
   (cache writes, index conversion): ``"mosaic"`` means their Triton kernel there."""
-  return "pallas" if implementation == "mosaic" else implementation
+  return "triton" if implementation == "mosaic" else implementation
 
 
 def resolve_implementation(implementation: Implementation, interpret: bool = False, *,
                            has_mosaic: bool = False) -> str:
-  """Returns "pallas", "mosaic" or "xla" for a user's ``implementation`` argument.
+  """Returns "triton", "mosaic" or "xla" for a user's ``implementation`` argument.
 
   ``has_mosaic``: the op has a Mosaic GPU kernel (otherwise "mosaic" is refused).
-  ``None`` never returns "mosaic"; such ops decide that themselves.
+  ``None`` never returns "mosaic"; such ops decide that themselves (``_mosaic.default_for``).
   """
+  implementation = _ALIASES.get(implementation, implementation)
   if implementation is None:
-    return "pallas" if (interpret or default_backend_is_gpu()) else "xla"
+    return "triton" if (interpret or default_backend_is_gpu()) else "xla"
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be None, 'pallas', 'mosaic' or 'xla'; got {implementation!r}")
+    raise ValueError("implementation must be None, 'mosaic', 'triton' (or its old name "
+                     f"'pallas') or 'xla'; got {implementation!r}")
   if implementation == "mosaic":
     if not has_mosaic:
-      raise ValueError("this op has no Mosaic GPU kernel; use implementation='pallas' "
-                       "(Triton) or 'xla'")
+      raise ValueError("this op has no Mosaic GPU kernel; use implementation='triton' or 'xla'")
     if interpret:
-      raise ValueError("the Mosaic GPU kernel has no interpreter; use implementation='pallas' "
+      raise ValueError("the Mosaic GPU kernel has no interpreter; use implementation='triton' "
                        "with interpret=True")
   if implementation != "xla" and not interpret and not default_backend_is_gpu():
     raise ValueError(
         f"implementation={implementation!r} needs a GPU backend (found "
-        f"{jax.default_backend()!r}); pass interpret=True to run the Pallas (Triton) kernel "
+        f"{jax.default_backend()!r}); pass interpret=True to run the Triton kernel "
         "in the Pallas interpreter, or implementation='xla' for the reference")
   return implementation
+
+
+def check_config(config, config_type: type, implementation: str):
+  """``config`` for the chosen backend: ``None`` (the heuristic) or a ``config_type``."""
+  if config is not None and not isinstance(config, config_type):
+    raise TypeError(
+        f"config must be None or a {config_type.__module__}.{config_type.__qualname__} for "
+        f"implementation={implementation!r}; got {type(config).__name__}")
+  return config
 
 
 def check_rank(name: str, x, ranks: int | Iterable[int]) -> None:
@@ -80,6 +111,38 @@ def check_dtype(name: str, x, dtypes) -> None:
 
 def check_int32(name: str, x) -> None:
   check_dtype(name, x, jnp.int32)
+
+
+def as_int32(name: str, x) -> jax.Array:
+  """Integer metadata as an int32 ``jax.Array``: any integer dtype (numpy int64 from
+  ``np.arange`` included) is cast, anything else is refused naming ``name``."""
+  if isinstance(x, (list, tuple)) or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an integer array (jax.Array or numpy.ndarray); "
+                    f"got {type(x).__name__}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype (cast to int32); got {x.dtype}")
+  return jnp.asarray(x, jnp.int32)
+
+
+def check_static(name: str, value, kind: type | tuple[type, ...] = (int, float)) -> None:
+  """Static (compile-time) arguments must be Python values: a jax/numpy array there would
+  reach ``jax.jit`` as an unhashable static argument."""
+  if isinstance(value, (jax.Array, np.ndarray)) or not isinstance(value, kind):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    want = " or ".join(k.__name__ for k in kinds)
+    raise TypeError(f"{name} is static (it changes the compiled code) and must be a Python "
+                    f"{want}; got {type(value).__name__} (use float(x) / int(x) on a "
+                    "concrete value)")
+
+
+def check_values(checks: bool, *conditions) -> None:
+  """Opt-in value checks (``checks=True`` on an op): ``(ok, message, fmt_kwargs)``
+  triples through ``checkify.check``. Eager calls raise at once with ``message``; under
+  ``jax.jit`` wrap the call in ``checkify.checkify`` and call ``err.throw()``."""
+  if not checks:
+    return
+  for ok, message, *fmt in conditions:
+    checkify.check(jnp.all(ok), message, **(fmt[0] if fmt else {}))
 
 
 def check_shape(name: str, x, shape: Sequence[int | None]) -> None:

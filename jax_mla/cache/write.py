@@ -55,7 +55,7 @@ def _concat_and_cache(kv_c, k_pe, kv_cache, slot_mapping, scale, *, kv_cache_dty
   num_tokens = slot_mapping.shape[0]
   kv_c, k_pe = kv_c[:num_tokens], k_pe[:num_tokens].astype(kv_c.dtype)
   x = jnp.concatenate([kv_c, k_pe], axis=-1)
-  if kv_cache_dtype in ("fp8_ds_mla", "fp8_model1") and implementation == "pallas":
+  if kv_cache_dtype in ("fp8_ds_mla", "fp8_model1") and implementation == "triton":
     # The kernel quantizes the first 512 columns of its input and stores the
     # RoPE bytes as given: V3.2 reads kv_c itself (no concatenated copy), V4
     # its whole latent.

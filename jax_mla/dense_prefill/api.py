@@ -77,7 +77,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     if not isinstance(value, int) or value < 0:
       raise ValueError(f"{name} must be a static int >= 0; got {value!r}")
   impl = resolve_implementation(implementation, interpret)
-  if impl == "pallas":
+  if impl == "triton":
     split_head_dim(d_qk)
     d_v = v.shape[2]
     if d_v < 16 or d_v & (d_v - 1):
