@@ -1,39 +1,61 @@
-# jax-mla developer entry points. `make test` works on a fresh machine.
+# jax-mla developer entry points. Each works as the first command on a fresh clone.
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# CPU torch for the bridge tests (a CPU wheel; the GPU machine brings its own torch).
+# The project's python: the venv where there is one, else $(PY) (a GPU machine's own
+# python with jax[cuda] and torch).
+RUN_PY = $(if $(wildcard $(VPY)),$(VPY),$(PY))
+# CPU torch for the bridge tests. PyPI's torch==2.13.0 is the CUDA build (about 6 GB with
+# its nvidia-* wheels); the CPU wheel index has 2.13.0+cpu, which pip prefers to it. Where
+# that index cannot be reached, pip says so once and takes the best torch it finds elsewhere.
 TORCH_CPU ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install test test-gpu demo bench lint clean
+.PHONY: install test test-gpu demo bench bench-smoke lint clean
 
-$(VENV)/.installed: pyproject.toml
+# The package alone (what the demo needs).
+$(VENV)/.package: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e ".[test,lint]" "$(TORCH_CPU)"
+	$(VPY) -m pip install -q -e .
+	touch $@
+
+# Everything the CPU suite, the bridge and the linter need.
+$(VENV)/.installed: $(VENV)/.package
+	$(VPY) -m pip install -q --retries 0 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)"
+	$(VPY) -m pip install -q -e ".[test,lint]"
 	touch $@
 
 install: $(VENV)/.installed
+
+# One DeepSeek-V3.2-style layer step, every kernel checked (on the CPU: in the interpreter).
+demo: $(VENV)/.package
+	$(VPY) -m jax_mla.demo
 
 # CPU suite: Pallas kernels run in interpret mode against the jax.numpy references.
 test: install
 	JAX_PLATFORMS=cpu $(VPY) -m pytest -q -n 2 tests
 
-# GPU suite (device machine, its own python with jax[cuda] and torch): the same tests
-# compiled for the GPU, plus the @pytest.mark.gpu ones. The bridge's CPU-tensor tests
-# stay on the CPU suite: on a GPU machine `implementation=None` picks Pallas for them.
+# GPU suite (one GPU: one pytest process; compiled kernels persist in .jax_cache/ between
+# runs): the same tests compiled for the GPU, plus the @pytest.mark.gpu ones. The bridge's
+# CPU-tensor tests stay on the CPU suite (on a GPU machine `implementation=None` picks a
+# GPU kernel for them); its GPU tests run here.
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q tests --ignore=tests/test_torch_bridge.py
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q tests/test_torch_bridge.py -m gpu
+	JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(RUN_PY) -m pytest -q tests \
+	  --ignore=tests/test_torch_bridge.py
+	JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(RUN_PY) -m pytest -q \
+	  tests/test_torch_bridge.py -m gpu
 
-demo:
-	@if [ -x $(VPY) ]; then $(VPY) -m jax_mla.demo; else $(PY) -m jax_mla.demo; fi
-
+# GPU benchmarks: every benchmarks/bench_*.py, a per-module time budget, under 10 minutes.
 bench:
-	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.run --out benchmarks/out
+	@PYTHONPATH=$(CURDIR) $(RUN_PY) -m benchmarks.run --out benchmarks/out
+
+# Every benchmark module on tiny shapes on the CPU: checks the harness, not the speed.
+bench-smoke: install
+	PYTHONPATH=$(CURDIR) $(VPY) -m benchmarks.run --smoke --out benchmarks/out/smoke
 
 lint: install
 	$(VENV)/bin/ruff check jax_mla torch_bridge tests benchmarks
 
 clean:
-	rm -rf $(VENV) benchmarks/out .pytest_cache
+	rm -rf $(VENV) benchmarks/out .pytest_cache .jax_cache

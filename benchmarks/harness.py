@@ -1,5 +1,9 @@
-"""Shared timing and reporting for the GPU benchmarks (METHOD.md: median of many
-event-timed reps after warm-up, rotating input sets so L2 does not flatter us)."""
+"""Shared timing and reporting for the GPU benchmarks: the median of many timed
+repetitions after warm-up, over rotating input sets so L2 does not flatter us.
+
+With ``JAX_MLA_BENCH_SMOKE=1`` (``python -m benchmarks.run --smoke``) timing runs two
+input sets once each: the figures mean nothing, the point is that every module runs.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import jax
 import numpy as np
 
 from jax_mla.testing import rel_err
+
+SMOKE = os.environ.get("JAX_MLA_BENCH_SMOKE") == "1"
 
 
 @dataclasses.dataclass
@@ -61,6 +67,8 @@ def time_us(fn, arg_sets, *, reps: int = 30) -> float:
   """
   batched = jax.jit(lambda sets: [fn(*a) for a in sets])
   calls = list(arg_sets)
+  if SMOKE:
+    calls, reps = calls[:2], 1
   for _ in range(2):  # compile, then warm up
     jax.block_until_ready(batched(calls))
   times = []
@@ -74,6 +82,8 @@ def time_us(fn, arg_sets, *, reps: int = 30) -> float:
 def n_sets(bytes_per_set: int, l2_bytes: int = 50 << 20, lo: int = 16, hi: int = 32) -> int:
   """How many distinct input sets to rotate: enough to amortise one dispatch and to
   overflow L2 twice, within [lo, hi]."""
+  if SMOKE:
+    return 2
   return max(lo, min(hi, -(-2 * l2_bytes // max(bytes_per_set, 1))))
 
 

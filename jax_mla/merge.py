@@ -1,12 +1,16 @@
-"""Softmax-state helpers: merging partial attention results by their LSE.
+"""Softmax-state helpers: combining partial attention results by their LSE.
 
-Used for chunked-context prefill (two passes merged) and split-KV decode
-(flash-decoding combine). LSE is natural-log float32; a part with no valid key
+The one home of the split-KV combine: chunked-context prefill merges two passes
+(:func:`merge_attn_states`), and every split-KV decode kernel combines its splits
+(:func:`combine_splits`). LSE is natural-log float32; a part with no valid key
 has ``lse = +inf`` by the FlashMLA convention or ``-inf`` by the vLLM one, and
 contributes nothing either way.
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +24,36 @@ def lse2_to_lse(lse_base2: jax.Array) -> jax.Array:
   return lse_base2.astype(jnp.float32) * LN2
 
 
-def _as_merge_lse(lse: jax.Array) -> jax.Array:
+def combine_splits(out_parts: jax.Array, lse_parts: jax.Array, out_dtype=None):
+  """Combines ``S`` partial results over disjoint key sets (the flash-decoding reduce).
+
+  Args:
+    out_parts: ``[S, ..., d]`` partial outputs, each normalised over its own keys (an
+      array or a sequence of ``S`` arrays).
+    lse_parts: ``[S, ...]`` float32 natural-log LSE of each part; ``+inf`` or ``-inf``
+      marks a part without keys.
+    out_dtype: dtype of the result (default: that of ``out_parts``).
+
+  Returns:
+    ``(out [..., d], lse [...])`` over the union of keys; a row empty in every part
+    gets ``out = 0`` and ``lse = +inf``.
+  """
   # Rows with no valid key carry lse=+inf (FlashMLA) or -inf (vLLM): both weigh zero.
-  return jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
+  # The parts are summed one by one (S is static), so two parts give exactly the
+  # pairwise merge below.
+  lses = [jnp.where(jnp.isposinf(lse), -jnp.inf, lse) for lse in lse_parts]
+  m = functools.reduce(jnp.maximum, lses)
+  empty = jnp.isneginf(m)
+  m_safe = jnp.where(empty, 0.0, m)
+  ws = [jnp.exp(lse - m_safe) for lse in lses]
+  total = functools.reduce(operator.add, ws)
+  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
+  out = functools.reduce(operator.add, [o.astype(jnp.float32) * (w * inv)[..., None]
+                                        for o, w in zip(out_parts, ws, strict=True)])
+  lse = jnp.where(empty, jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+  return out.astype(out_parts[0].dtype if out_dtype is None else out_dtype), lse
 
 
-@jax.jit
 def merge_attn_states(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
                       lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Merges two partial attention results over disjoint key sets.
@@ -47,15 +75,9 @@ def merge_attn_states(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
         f"got {lse_a.shape} and {lse_b.shape}")
   check_dtype("lse_a", lse_a, jnp.float32)
   check_dtype("lse_b", lse_b, jnp.float32)
-  la, lb = _as_merge_lse(lse_a), _as_merge_lse(lse_b)
-  m = jnp.maximum(la, lb)
-  empty = jnp.isneginf(m)
-  m_safe = jnp.where(empty, 0.0, m)
-  wa = jnp.exp(la - m_safe)
-  wb = jnp.exp(lb - m_safe)
-  total = wa + wb
-  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
-  out = (out_a.astype(jnp.float32) * (wa * inv)[..., None]
-         + out_b.astype(jnp.float32) * (wb * inv)[..., None])
-  lse = jnp.where(empty, jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
-  return out.astype(out_a.dtype), lse
+  return _merge_attn_states(out_a, lse_a, out_b, lse_b)
+
+
+@jax.jit
+def _merge_attn_states(out_a, lse_a, out_b, lse_b):
+  return combine_splits((out_a, out_b), (lse_a, lse_b), out_a.dtype)

@@ -1,15 +1,17 @@
 """Sharded MLA attention across devices with JAX's own SPMD engine (``jax.shard_map``).
 
-One wrapper, :func:`shard_attention`, runs any registered op (or layer-level
-backend forward) under ``shard_map`` on a user's :class:`jax.sharding.Mesh`; each
-op contributes only an :class:`OpSharding` table saying which of its arguments
-and outputs carry query heads or requests, on which axis. Inside the
-``shard_map`` no collective is issued: attention needs none in either layout
-below (every device owns complete softmax rows), so each device runs the
-one-device op (Pallas kernel or jax.numpy reference) on its shard. Only head
-padding, when a head count does not divide, adds XLA ops around it (and any
-resharding of inputs not already placed as the specs say). Two layouts,
-composable on a 2-D mesh:
+One wrapper, :func:`shard_attention`, runs an op (or layer-level backend forward)
+under ``shard_map`` on a user's mesh: ``jax.make_mesh(...)`` (Explicit or Auto
+axes) or ``jax.sharding.Mesh(...)``. Each op declares, beside its definition, an
+:class:`OpSharding` saying which of its arguments and outputs carry query heads
+or requests, on which axis (``op.sharding``; this module holds only the
+mechanism). Inside the ``shard_map`` no collective is issued: attention needs
+none in either layout below (every device owns complete softmax rows), so each
+device runs the one-device op (Pallas kernel or jax.numpy reference) on its
+shard. Only head padding, when a head count does not divide, adds XLA ops around
+it, and inputs not already placed as the specs say are resharded first (on a
+mesh with Explicit axes with ``jax.sharding.reshard``; Auto axes let
+``shard_map`` move them). Two layouts, composable on a 2-D mesh:
 
 Head-parallel (tensor parallel, :func:`head_parallel`)
   Query heads split across the ``head_axis`` devices; the MLA latent cache (one
@@ -54,14 +56,38 @@ Request-parallel (data parallel, :func:`request_parallel`)
     shards are padded to one shape, as vLLM pads data-parallel batches. Weights,
     sinks and scales (each op's ``OpSharding.shared``) are passed once, unstacked.
 
-Use it inside ``jax.jit``, donating the cache, e.g.::
+Use it inside ``jax.jit``, donating the cache. On 4 devices (run with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` on a CPU):
 
-  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
-  attn = shard_attention(mla_ragged_paged_attention, mesh, head_axis="tp",
-                         request_axis="dp", request_layout="stacked")
-  step = jax.jit(attn, static_argnames=("sm_scale",), donate_argnames=("cache_kv",))
-  o_latent, cache = step(ql_nope, q_pe, new_kv_c, new_k_pe, cache, kv_lens, page_indices,
-                         cu_q_lens, distribution, sm_scale=0.1)
+  >>> import jax
+  >>> import jax.numpy as jnp
+  >>> from jax_mla import mla_ragged_paged_attention
+  >>> from jax_mla.sharding import shard_attention, stack_shards
+
+  >>> mesh = jax.make_mesh((2, 2), ("dp", "tp"))  # requests over dp, heads over tp
+  >>> attn = shard_attention(mla_ragged_paged_attention, mesh, head_axis="tp",
+  ...                        request_axis="dp", request_layout="stacked")
+  >>> step = jax.jit(attn, static_argnames=("sm_scale",), donate_argnames=("cache_kv",))
+
+  >>> def dp_group_call(seed, heads=8, pages=8, page_size=16):
+  ...   # The complete call of one dp group: 2 decode requests, 1 new token each.
+  ...   k = jax.random.split(jax.random.key(seed), 5)
+  ...   bf16 = lambda key, shape: jax.random.normal(key, shape, jnp.bfloat16)
+  ...   return dict(ql_nope=bf16(k[0], (2, heads, 512)), q_pe=bf16(k[1], (2, heads, 64)),
+  ...               new_kv_c=bf16(k[2], (2, 512)), new_k_pe=bf16(k[3], (2, 64)),
+  ...               cache_kv=bf16(k[4], (pages, page_size, 576)),
+  ...               kv_lens=jnp.array([20, 7], jnp.int32),  # keys, the new token included
+  ...               page_indices=jnp.array([0, 1, 2, 3], jnp.int32),  # 2 pages a request
+  ...               cu_q_lens=jnp.array([0, 1, 2], jnp.int32),
+  ...               distribution=jnp.array([2, 2, 2], jnp.int32))  # 2 decodes
+  ...
+
+  >>> calls = [dp_group_call(0), dp_group_call(1)]
+  >>> args = {name: stack_shards([c[name] for c in calls]) for name in calls[0]}
+  >>> # Each group's call on its own devices (else the sharded step moves it there).
+  >>> args = jax.device_put(args, jax.sharding.NamedSharding(mesh, jax.P("dp")))
+  >>> o_latent, cache = step(**args, sm_scale=576 ** -0.5)
+  >>> assert o_latent.shape == (2, 2, 8, 512) and cache.shape == (2, 8, 16, 576)
 
 Multi-host: nothing here assumes one process. Call ``jax.distributed.initialize()``
 in every process first (coordinator address, process count and id, or the
@@ -85,12 +111,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
-
-from jax_mla.backends import aiter_mla, deepseek_v4, flashmla_sparse
-from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-from jax_mla.dense_prefill import mla_prefill
-from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AxisName = str | tuple[str, ...]
 # Per output: its axis, or None (no such axis); a tuple for ops returning a tuple.
@@ -101,6 +122,11 @@ LAYOUTS = ("split", "stacked")
 @dataclasses.dataclass(frozen=True)
 class OpSharding:
   """How one op's arguments and outputs split across devices.
+
+  Each op declares its own, beside its definition, as the op's ``sharding``
+  attribute; :func:`shard_attention` reads it. E.g. at the end of ``my_op``'s module::
+
+    my_op.sharding = OpSharding(heads=dict(q=1), head_outs=1, num_heads=shape_of("q", 1))
 
   Arguments not named are replicated (or, in the stacked layout, stacked like all
   array arguments). An argument may be a pytree (e.g. ``(ql_nope, q_pe)``): the
@@ -135,83 +161,19 @@ class OpSharding:
   set_heads: Callable[[dict, int], dict] | None = None
 
 
-def _shape_of(name: str, axis: int) -> Callable[[Mapping[str, Any]], int]:
+def shape_of(name: str, axis: int) -> Callable[[Mapping[str, Any]], int]:
+  """``OpSharding.num_heads`` for ops whose head count is ``name``'s size on ``axis``."""
   return lambda a: a[name].shape[axis]
 
 
-def _config_heads(a: Mapping[str, Any]) -> int:
+def config_heads(a: Mapping[str, Any]) -> int:
+  """``OpSharding.num_heads`` for layers whose static ``config`` carries ``num_heads``."""
   return a["config"].num_heads
 
 
-def _set_config_heads(a: dict, h: int) -> dict:
+def set_config_heads(a: dict, h: int) -> dict:
+  """``OpSharding.set_heads`` for layers whose static ``config`` carries ``num_heads``."""
   return {**a, "config": dataclasses.replace(a["config"], num_heads=h)}
-
-
-def _aiter_local_heads(h: int) -> int:
-  """Smallest count >= ``h`` that AITER runs: a divisor of 16, or a multiple of 16."""
-  while not aiter_mla.is_valid_num_heads(h):
-    h += 1
-  return h
-
-
-_SPARSE_DECODE_REQUESTS = dict(q=0, kv_cache=0, indices=0, topk_length=0, extra_kv_cache=0,
-                               extra_indices=0, extra_topk_length=0)
-_AITER = dict(num_heads=_config_heads, local_heads=_aiter_local_heads,
-              set_heads=_set_config_heads)
-_V4 = dict(heads=dict(q=1, attn_sink=0), num_heads=_config_heads, set_heads=_set_config_heads,
-           shared=("attn_sink",))
-
-_SPECS: dict[Callable, OpSharding] = {
-    sparse_mla_prefill: OpSharding(
-        heads=dict(q=1, attn_sink=0), head_outs=(1, 1, 1), num_heads=_shape_of("q", 1),
-        requests=dict(q=0, kv=0, indices=0, topk_length=0), request_outs=(0, 0, 0),
-        rebase=dict(indices=("kv", "rows")), shared=("attn_sink",)),
-    sparse_mla_decode: OpSharding(
-        heads=dict(q=2, attn_sink=0), head_outs=(2, 1), num_heads=_shape_of("q", 2),
-        requests=_SPARSE_DECODE_REQUESTS, request_outs=(0, 0),
-        rebase=dict(indices=("kv_cache", "slots"), extra_indices=("extra_kv_cache", "slots")),
-        shared=("attn_sink",)),
-    mla_decode_paged: OpSharding(
-        heads=dict(q=2), head_outs=(2, 1), num_heads=_shape_of("q", 2),
-        requests=dict(q=0, kv_cache=0, block_table=0, cache_seqlens=0), request_outs=(0, 0),
-        rebase=dict(block_table=("kv_cache", "rows"))),
-    mla_decode: OpSharding(heads=dict(q=1), head_outs=(1, 1), num_heads=_shape_of("q", 1),
-                           shared=("q_scale", "kv_scale")),
-    mla_ragged_paged_attention: OpSharding(
-        heads=dict(ql_nope=1, q_pe=1), head_outs=(1, None), num_heads=_shape_of("ql_nope", 1),
-        shared=("q_scale", "k_scale", "v_scale")),
-    mla_prefill: OpSharding(
-        heads=dict(q=1, k=1, v=1), head_outs=lambda a: (1, 0) if a["return_lse"] else 1,
-        num_heads=_shape_of("q", 1)),
-    aiter_mla.aiter_mla_forward: OpSharding(
-        heads=dict(q=1, kv_b_proj=1), head_outs=(1, None),
-        shared=("kv_b_proj", "k_scale", "q_scale"), **_AITER),
-    aiter_mla.forward_mqa: OpSharding(heads=dict(q=1), head_outs=(1, 1),
-                                      shared=("q_scale", "kv_scale"), **_AITER),
-    aiter_mla.forward_mha: OpSharding(heads=dict(q=1, kv_b_proj=1), head_outs=1,
-                                      shared=("kv_b_proj", "k_scale"), **_AITER),
-    flashmla_sparse.flashmla_sparse_forward: OpSharding(
-        heads=dict(q=1, w_uk_t=0, w_uv=0), head_outs=(1, None), num_heads=_config_heads,
-        set_heads=_set_config_heads, shared=("w_uk_t", "w_uv", "k_scale")),
-    deepseek_v4.deepseek_v4_sparse_forward: OpSharding(head_outs=(1, None), **_V4),
-    deepseek_v4.deepseek_v4_sparse_decode: OpSharding(head_outs=1, **_V4),
-    deepseek_v4.deepseek_v4_sparse_prefill: OpSharding(head_outs=1, **_V4),
-}
-
-
-def register_op_sharding(op: Callable, spec: OpSharding) -> None:
-  """Makes ``op`` (e.g. a new backend's forward) usable by :func:`shard_attention`."""
-  _SPECS[op] = spec
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-  # jax >= 0.7: jax.shard_map (check_vma); older: the experimental one (check_rep).
-  # No replication checks: Pallas calls carry no varying-axis types, and replicated
-  # outputs (an updated cache) are equal on every device by construction.
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  from jax.experimental.shard_map import shard_map
-  return shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
 def _axes(name: AxisName | None) -> tuple[str, ...]:
@@ -230,6 +192,34 @@ def _spec(placements: Mapping[int, AxisName]) -> PartitionSpec:
   for d, name in placements.items():
     dims[d] = name
   return PartitionSpec(*dims)
+
+
+def _explicit_part(mesh: Mesh, spec: PartitionSpec) -> PartitionSpec | None:
+  """``spec`` restricted to the mesh's Explicit axes, or None on a mesh without any.
+
+  ``shard_map`` requires inputs to carry the in_specs' Explicit axes in their type
+  already (``jax.make_mesh`` makes Explicit axes), and it moves data only over Auto
+  ones (``Mesh(...)``'s default) by itself.
+  """
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+              if t == AxisType.Explicit}
+  if not explicit:
+    return None
+
+  def keep(entry):
+    names = tuple(a for a in _axes(entry) if a in explicit)
+    return names[0] if len(names) == 1 else (names or None)
+  return PartitionSpec(*(keep(e) for e in spec))
+
+
+def _place(x, mesh: Mesh, spec: PartitionSpec):
+  """Reshards ``x`` (a pytree) onto ``spec``'s Explicit axes of ``mesh`` (a no-op where it
+  is there already, eagerly or under ``jax.jit``)."""
+  explicit = _explicit_part(mesh, spec)
+  if explicit is None:
+    return x
+  sharding = NamedSharding(mesh, explicit)
+  return jax.tree_util.tree_map(lambda leaf: jax.sharding.reshard(leaf, sharding), x)
 
 
 def _is_array(x) -> bool:
@@ -255,13 +245,6 @@ def _pad_heads(x, axis: int, h: int, h_pad: int):
   return x.reshape(*x.shape[:axis], h_pad * unit, *x.shape[axis + 2:])
 
 
-def _per_output(outs, fn, axes):
-  """Applies ``fn(x, axis)`` to each output with its axis (a single output or a tuple)."""
-  if isinstance(axes, tuple):
-    return tuple(fn(x, a) for x, a in zip(outs, axes, strict=True))
-  return fn(outs, axes)
-
-
 def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = None,
                     request_axis: AxisName | None = None, request_layout: str = "split",
                     spec: OpSharding | None = None) -> Callable:
@@ -277,23 +260,24 @@ def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = No
       ``mla_ragged_paged_attention``, ``mla_prefill``, ``aiter_mla_forward``,
       ``forward_mqa``, ``forward_mha``, ``deepseek_v4_sparse_forward`` /
       ``_decode`` / ``_prefill``; or any op with ``spec``.
-    mesh: the device mesh (all global devices for multi-host).
+    mesh: the device mesh (all global devices for multi-host): ``jax.make_mesh``
+      with Explicit or Auto axes, or ``jax.sharding.Mesh``.
     head_axis: mesh axis name (or tuple of names) that splits query heads; ``None``
       keeps heads whole.
     request_axis: mesh axis name (or tuple) that splits requests; ``None`` keeps
       requests whole.
     request_layout: ``"split"`` (global batch-major arrays, ids rebased per device)
       or ``"stacked"`` (per-device calls stacked along a leading axis).
-    spec: the op's :class:`OpSharding`; ``None`` looks the op up.
+    spec: the op's :class:`OpSharding`; ``None`` takes the one the op declares
+      (``op.sharding``).
 
   Returns:
     The wrapped op.
   """
-  spec = spec if spec is not None else _SPECS.get(op)
-  if spec is None:
-    known = sorted(getattr(f, "__name__", str(f)) for f in _SPECS)
-    raise ValueError(f"op {getattr(op, '__name__', op)!r} has no OpSharding; pass spec= or "
-                     f"use one of {known}")
+  spec = spec if spec is not None else getattr(op, "sharding", None)
+  if not isinstance(spec, OpSharding):
+    raise ValueError(f"op {getattr(op, '__name__', op)!r} declares no OpSharding (its "
+                     "`sharding` attribute); pass spec=")
   if request_layout not in LAYOUTS:
     raise ValueError(f"request_layout must be one of {list(LAYOUTS)}; got {request_layout!r}")
   head_names, req_names = _axes(head_axis), _axes(request_axis)
@@ -334,17 +318,9 @@ def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = No
     def shift(name):  # stacked arrays carry the device axis first
       return 1 if name in per_device else 0
 
-    if h_pad != h:
-      for name, axis in spec.heads.items():
-        if name in names:
-          ax = axis + shift(name)
-          a[name] = jax.tree_util.tree_map(lambda x, ax=ax: _pad_heads(x, ax, h, h_pad), a[name])
-    _check_request_dims(a, names, per_device, spec.requests if split else {}, n_req,
-                        request_axis)
-
-    def arg_spec(name):
+    def arg_spec(name, with_heads=True):
       place = {}
-      if name in spec.heads and head_axis is not None:
+      if with_heads and name in spec.heads and head_axis is not None:
         place[spec.heads[name] + shift(name)] = head_axis
       if name in per_device:
         place[0] = request_axis
@@ -362,11 +338,22 @@ def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = No
         place[req_ax] = request_axis
       return _spec(place)
 
-    if isinstance(head_outs, tuple):
-      req_outs = spec.request_outs if split else (None,) * len(head_outs)
-      out_specs = tuple(out_spec(hx, rx) for hx, rx in zip(head_outs, req_outs, strict=True))
-    else:
-      out_specs = out_spec(head_outs, spec.request_outs if split else None)
+    if h_pad != h:
+      for name, axis in spec.heads.items():
+        if name in names:
+          ax = axis + shift(name)
+          # Explicit axes cannot pad a dim they split: heads whole on every device first.
+          x = _place(a[name], mesh, arg_spec(name, with_heads=False))
+          a[name] = jax.tree_util.tree_map(lambda x, ax=ax: _pad_heads(x, ax, h, h_pad), x)
+    _check_request_dims(a, names, per_device, spec.requests if split else {}, n_req,
+                        request_axis)
+
+    # Outputs as a tuple here; a single one is unwrapped at the boundaries.
+    single = not isinstance(head_outs, tuple)
+    h_outs = (head_outs,) if single else head_outs
+    r_outs = (((spec.request_outs,) if single else spec.request_outs) if split
+              else (None,) * len(h_outs))
+    out_specs = tuple(out_spec(hx, rx) for hx, rx in zip(h_outs, r_outs, strict=True))
 
     def body(*dyn):
       kw = {**static, **dict(zip(names, dyn, strict=True))}
@@ -379,14 +366,29 @@ def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = No
       out = op(**kw)
       return jax.tree_util.tree_map(lambda x: x[None], out) if stacked else out
 
-    outs = _shard_map(body, mesh, tuple(arg_spec(k) for k in names), out_specs)(
-        *(a[k] for k in names))
+    in_specs = tuple(arg_spec(k) for k in names)
+    # No replication checks (check_vma): Pallas calls carry no varying-axis types, and
+    # replicated outputs (an updated cache) are equal on every device by construction.
+    outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                         out_specs=out_specs[0] if single else out_specs, check_vma=False)(
+        *(_place(a[k], mesh, sp) for k, sp in zip(names, in_specs, strict=True)))
     if h_pad == h:
       return outs
-    return _per_output(outs, lambda x, ax: x if ax is None else jax.lax.slice_in_dim(
-        x, 0, x.shape[ax + int(stacked)] // h_pad * h, axis=ax + int(stacked)), head_outs)
 
-  functools.update_wrapper(wrapped, op)
+    def unpad(x, head_ax, req_ax):
+      if head_ax is None:
+        return x
+      ax = head_ax + int(stacked)
+      # Explicit axes cannot slice a dim they split unevenly: heads whole first.
+      x = _place(x, mesh, out_spec(None, req_ax))
+      return jax.lax.slice_in_dim(x, 0, x.shape[ax] // h_pad * h, axis=ax)
+
+    outs = (outs,) if single else outs
+    outs = tuple(unpad(x, hx, rx) for x, hx, rx in zip(outs, h_outs, r_outs, strict=True))
+    return outs[0] if single else outs
+
+  # Not the op's __dict__: the wrapper is not the op, its `sharding` does not apply.
+  functools.update_wrapper(wrapped, op, updated=())
   wrapped.__doc__ = (f"{getattr(op, '__name__', 'op')} sharded by jax_mla.sharding "
                      f"(heads over {head_axis!r}, requests over {request_axis!r}, "
                      f"{request_layout} layout).\n\n{op.__doc__ or ''}")
@@ -453,5 +455,5 @@ def stack_shards(shards: Sequence[Any]) -> Any:
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *shards)
 
 
-__all__ = ["OpSharding", "head_parallel", "register_op_sharding", "request_parallel",
-           "shard_attention", "stack_shards"]
+__all__ = ["OpSharding", "config_heads", "head_parallel", "request_parallel", "set_config_heads",
+           "shape_of", "shard_attention", "stack_shards"]

@@ -1,10 +1,30 @@
-"""Shared test setup: the `gpu` marker and the `interpret` fixture."""
+"""Shared test setup: the `gpu` marker, the `interpret` fixture and, on a GPU, the
+persistent compilation cache."""
+
+import os
+import pathlib
 
 import jax
 import pytest
 from helpers import has_gpu
 
 jax.config.update("jax_enable_x64", False)
+
+CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
+
+
+def pytest_configure(config):
+  if not has_gpu():
+    if os.environ.get("JAX_MLA_REQUIRE_GPU"):  # `make test-gpu`: no silent CPU run
+      pytest.exit(f"make test-gpu needs a GPU; JAX found only {jax.devices()}", returncode=1)
+    return
+  # GPU compilations take most of the GPU suite's time; a later run (or another pytest
+  # process) reuses them. Every entry is kept, however fast it compiled or small it is.
+  CACHE_DIR.mkdir(exist_ok=True)
+  (CACHE_DIR / ".gitignore").write_text("*\n")  # never committed
+  jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,4 +40,3 @@ def pytest_collection_modifyitems(config, items):
 def interpret() -> bool:
   """Pallas kernels compile on a GPU and run in the interpreter elsewhere."""
   return not has_gpu()
-

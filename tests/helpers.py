@@ -1,11 +1,14 @@
 """Test helpers shared by the op tests (import as `from helpers import ...`)."""
 
+import functools
+
 import jax
 import numpy as np
 
 from jax_mla.testing import rel_err  # noqa: F401  (re-exported for the tests)
 
 
+@functools.cache
 def has_gpu() -> bool:
   try:
     return bool(jax.devices("gpu"))

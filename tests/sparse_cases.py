@@ -7,7 +7,7 @@ Cases follow FlashMLA's tests: invalid indices of every kind, short and zero
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.cache.formats import (
+from jax_mla.cache import (
   dequantize_fp8_ds_mla,
   dequantize_fp8_model1_cache,
   quantize_fp8_ds_mla,

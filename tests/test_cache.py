@@ -1,5 +1,5 @@
 """KV-cache formats and writer: byte layouts against hand-built numpy bytes,
-quantization round trips, the Pallas writer against the reference writer."""
+quantization round trips, the Triton writer against the reference writer."""
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +130,7 @@ def test_kv_cache_shape():
 
 
 def test_scale_rules_match_ieee_division():
-  from jax_mla.cache.formats import ceil_log2_div448, div448
+  from jax_mla.cache.e4m3 import ceil_log2_div448, div448
   rng = np.random.default_rng(0)
   a = np.concatenate([
       (10.0 ** rng.uniform(-30, 38, 200_000)).astype(np.float32),  # wide range
@@ -150,7 +150,7 @@ def test_scale_rules_match_ieee_division():
 
 @pytest.mark.parametrize("scale", [1.0, 0.0123456, 0.029017856, 3.3e-5, 1 / 448, 2.5])
 def test_fp8_quotient_matches_ieee_double_rounding(scale):
-  from jax_mla.cache.formats import fp8_bytes_of_quotient
+  from jax_mla.cache.e4m3 import fp8_bytes_of_quotient
   rng = np.random.default_rng(1)
   n = 50_000
   x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 3, n)).astype(BF16).astype(np.float32)
@@ -174,7 +174,7 @@ def _fp8_midpoints():
 
 
 def test_fp8_bytes_bit_conversion_matches_ml_dtypes():
-  from jax_mla.cache.formats import fp8_bytes
+  from jax_mla.cache.e4m3 import fp8_bytes
   v = np.concatenate([
       np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(BF16).astype(np.float32),
       _fp8_midpoints(),
@@ -188,7 +188,7 @@ def test_fp8_bytes_bit_conversion_matches_ml_dtypes():
 
 @pytest.mark.parametrize("scale", [1.0, 0.0123456, 1 / 448, 3.3e-5, 2.5])
 def test_fp8_quotient_all_bf16_and_midpoints(scale):
-  from jax_mla.cache.formats import fp8_bytes_of_quotient
+  from jax_mla.cache.e4m3 import fp8_bytes_of_quotient
   s = np.float32(scale)
   # x whose float32 quotient lands on or next to an fp8 midpoint: m * s and its neighbours.
   ms = _fp8_midpoints().astype(np.float64) * np.float64(s)
@@ -203,7 +203,7 @@ def test_fp8_quotient_all_bf16_and_midpoints(scale):
   np.testing.assert_array_equal(got, want)
   # The fix-up alone: a candidate one code off either way (as an approximate
   # division may give) settles to the same code.
-  from jax_mla.cache.formats import _settle_quotient_code
+  from jax_mla.cache.e4m3 import _settle_quotient_code
   ax = np.abs(x[~np.isnan(x)])
   code = (want[~np.isnan(x)] & 0x7F).astype(np.int32)
   settle = jax.jit(_settle_quotient_code)
@@ -404,12 +404,12 @@ def test_gather_dequantize(fmt):
 
 
 # ---------------------------------------------------------------------------
-# Pallas writer against the reference writer
+# Triton writer against the reference writer
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_model1"])
 @pytest.mark.parametrize("seed,num_tokens,block_size", [(0, 1, 16), (1, 7, 16), (2, 13, 64)])
-def test_pallas_writer_matches_reference(fmt, seed, num_tokens, block_size, interpret):
+def test_triton_writer_matches_reference(fmt, seed, num_tokens, block_size, interpret):
   rng = np.random.default_rng(seed)
   nb = 2
   head = 512 if fmt == "fp8_model1" else 576
@@ -419,11 +419,11 @@ def test_pallas_writer_matches_reference(fmt, seed, num_tokens, block_size, inte
     slots[0] = -1 if seed % 2 else slots[0]
   before = rand_bytes_cache(rng, kv_cache_shape(nb, block_size, head, fmt))
   outs = {}
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "triton"):
     outs[impl] = np.asarray(concat_and_cache_mla(
         jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(before), jnp.asarray(slots),
-        kv_cache_dtype=fmt, implementation=impl, interpret=interpret and impl == "pallas"))
-  np.testing.assert_array_equal(outs["pallas"], outs["xla"])
+        kv_cache_dtype=fmt, implementation=impl, interpret=interpret and impl == "triton"))
+  np.testing.assert_array_equal(outs["triton"], outs["xla"])
   # Bytes of skipped and untouched slots (and block padding) keep their old values.
   changed = np.zeros(before.shape, bool)
   written = [s for s in slots if 0 <= s < nb * block_size]
@@ -436,8 +436,8 @@ def test_pallas_writer_matches_reference(fmt, seed, num_tokens, block_size, inte
       b, o = divmod(int(s), block_size)
       flat[b, o * 576:(o + 1) * 576] = True
       flat[b, block_size * 576 + o * 8:block_size * 576 + (o + 1) * 8] = True
-  np.testing.assert_array_equal(outs["pallas"][~changed], before[~changed])
-  assert len(written) == 0 or (outs["pallas"][changed] != before[changed]).any()
+  np.testing.assert_array_equal(outs["triton"][~changed], before[~changed])
+  assert len(written) == 0 or (outs["triton"][changed] != before[changed]).any()
 
 
 def test_model1_whole_latent_form_and_short_slot_mapping(interpret):
@@ -451,7 +451,7 @@ def test_model1_whole_latent_form_and_short_slot_mapping(interpret):
                                implementation="xla")
   whole = concat_and_cache_mla(jnp.asarray(x), jnp.zeros((T, 0), jnp.bfloat16), jnp.array(cache),
                                jnp.asarray(slots), kv_cache_dtype="fp8_model1",
-                               implementation="pallas", interpret=interpret)
+                               implementation="triton", interpret=interpret)
   np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
   got = gather_dequantize(whole, jnp.asarray(slots), kv_cache_dtype="fp8_model1")
   np.testing.assert_array_equal(np.asarray(got),

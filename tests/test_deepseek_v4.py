@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
+from jax_mla.backends import DeepseekV4Sparse, split_decodes_and_prefills
 from jax_mla.backends import deepseek_v4 as v4
 from jax_mla.backends import deepseek_v4_indices as idx
 from jax_mla.cache import (
@@ -198,10 +199,24 @@ def test_dequantize_and_gather_k_cache_reads_only_the_gathered_tokens():
 
 
 def test_split_decodes_and_prefills():
-  assert v4.split_decodes_and_prefills(np.array([0, 1, 2, 7, 9])) == (2, 2, 2, 7)
-  assert v4.split_decodes_and_prefills(np.array([0, 1, 3, 7]), decode_threshold=2) == (
-      2, 1, 3, 4)
-  assert v4.split_decodes_and_prefills(np.array([0, 1, 2])) == (2, 0, 2, 0)
+  assert split_decodes_and_prefills(np.array([0, 1, 2, 7, 9])) == (2, 2, 2, 7)
+  assert split_decodes_and_prefills(np.array([0, 1, 3, 7]), decode_threshold=2) == (2, 1, 3, 4)
+  assert split_decodes_and_prefills(np.array([0, 1, 2])) == (2, 0, 2, 0)
+  assert split_decodes_and_prefills(np.array([0, 5, 6])) == (0, 2, 0, 6)  # prefill first
+  assert split_decodes_and_prefills(np.array([0])) == (0, 0, 0, 0)
+  # require_uniform (AiterMLA): the decodes share the first request's length.
+  uniform = functools.partial(split_decodes_and_prefills, decode_threshold=2,
+                              require_uniform=True)
+  assert uniform(np.array([0, 2, 4, 5, 9])) == (2, 2, 4, 5)  # the 1-token request: prefill
+  assert split_decodes_and_prefills(np.array([0, 2, 4, 5, 9]), decode_threshold=2) == (
+      3, 1, 5, 4)
+  assert uniform(np.array([0, 2, 2, 4])) == (3, 0, 4, 0)  # a padded uniform batch (length 0)
+  # Lengths <= 1 are all decodes in either mode (vLLM's shortcut), zero-length ones too.
+  assert uniform(np.array([0, 1, 1]), decode_threshold=1) == (2, 0, 1, 0)
+
+
+def test_backend_example_runs():
+  run_docstring_example(DeepseekV4Sparse)
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +280,7 @@ def _make_case(seed, cfg, reqs, *, num_pad=1, decode_threshold=1, with_sink=True
 
   q = (rng.standard_normal((num_tokens, h, 512))).astype(np.float32)
   sink = rng.standard_normal(h).astype(np.float32) if with_sink else None
-  counts = v4.split_decodes_and_prefills(qsl, decode_threshold=decode_threshold)
+  counts = split_decodes_and_prefills(qsl, decode_threshold=decode_threshold)
 
   # Dense reference: exactly the attended set, one softmax with the sink.
   qb = np.asarray(jnp.asarray(q, jnp.bfloat16), np.float64)

@@ -1,9 +1,10 @@
 """merge_attn_states against a softmax over the union of both key sets."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.merge import merge_attn_states
+from jax_mla.merge import combine_splits, merge_attn_states
 
 
 def _part(scores, values):
@@ -33,3 +34,24 @@ def test_merge_empty_parts():
   out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
   np.testing.assert_allclose(out, [[2, 2], [1, 1], [0, 0]])
   np.testing.assert_allclose(lse, [0.25, 0.5, np.inf])
+
+
+def test_combine_splits_empty_rows():
+  # -inf (vLLM) and +inf (FlashMLA) both mark a split without keys.
+  out = jnp.ones((3, 2, 8), jnp.float32)
+  lse = jnp.array([[-jnp.inf, 0.0], [jnp.inf, 0.0], [-jnp.inf, jnp.inf]], jnp.float32)
+  o, l = combine_splits(out, lse, jnp.bfloat16)
+  assert o.dtype == jnp.bfloat16
+  assert np.all(np.asarray(o[0]) == 0) and np.isposinf(float(l[0]))
+  np.testing.assert_allclose(np.asarray(o[1], np.float32), 1.0)
+  np.testing.assert_allclose(float(l[1]), np.log(2.0), rtol=1e-6)
+
+
+def test_merge_is_a_two_way_combine():
+  rng = np.random.default_rng(1)
+  outs = jnp.asarray(rng.normal(size=(2, 5, 3)), jnp.float32)
+  lses = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
+  got = merge_attn_states(outs[0], lses[0], outs[1], lses[1])
+  want = jax.jit(combine_splits)(outs, lses)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])

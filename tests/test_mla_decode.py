@@ -1,4 +1,4 @@
-"""Dense MLA decode: kernel (interpret mode on CPU) vs reference vs a numpy oracle."""
+"""Dense MLA decode: Triton kernel (interpret mode on CPU) vs reference vs a numpy oracle."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
-from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-from jax_mla.dense_decode import pallas as kern
+from jax_mla.dense_decode import (
+  mla_decode,
+  mla_decode_paged,
+  mla_ragged_paged_attention,
+  mosaic,
+  triton,
+)
 
 D = 576
 DV = 512
@@ -84,7 +89,7 @@ def test_paged_reference_matches_numpy(causal):
 def test_paged_kernel_matches_reference(interpret, b, s_q, h_q, block_size, seqlens, causal):
   rng = np.random.default_rng(b * 100 + h_q + s_q)
   q, cache, bt, sl = _paged_case(rng, b, s_q, h_q, block_size, seqlens)
-  out, lse = mla_decode_paged(q, cache, bt, sl, causal=causal, implementation="pallas",
+  out, lse = mla_decode_paged(q, cache, bt, sl, causal=causal, implementation="triton",
                               interpret=interpret)
   ro, rl = mla_decode_paged(q, cache, bt, sl, causal=causal, implementation="xla")
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
@@ -139,7 +144,7 @@ def test_mla_decode_kernel_matches_reference(interpret, q_lens, kv_lens, h_q, pa
   rng = np.random.default_rng(sum(kv_lens) + h_q)
   args = _aiter_case(rng, q_lens, kv_lens, h_q, page_size)
   out, lse = mla_decode(*args, max_seqlen_q=max_seqlen_q, num_kv_splits=splits,
-                        implementation="pallas", interpret=interpret)
+                        implementation="triton", interpret=interpret)
   ro, rl = mla_decode(*args, max_seqlen_q=max_seqlen_q, implementation="xla")
   assert np.isfinite(np.asarray(out, np.float32)).all()
   assert rel_err(out, ro) < 1e-2
@@ -151,7 +156,7 @@ def test_mla_decode_non_causal_and_uncovered_tokens(interpret):
   q, cache, qo, kvp, kvi, last = _aiter_case(rng, [3, 2], [10, 6], 16, 4)
   # Two extra tokens after the last request: not computed, returned as 0 / +inf.
   q = jnp.concatenate([q, jnp.ones((2,) + q.shape[1:], q.dtype)])
-  for impl in ("pallas", "xla"):
+  for impl in ("pallas", "xla"):  # "pallas": the old name of "triton"
     out, lse = mla_decode(q, cache, qo, kvp, kvi, last, max_seqlen_q=3, causal=False,
                           num_kv_splits=2, implementation=impl, interpret=interpret)
     assert np.all(np.asarray(out[5:]) == 0) and np.all(np.isposinf(np.asarray(lse[5:])))
@@ -171,7 +176,7 @@ def test_mla_decode_fp8(interpret):
   q8 = (q.astype(jnp.float32) / q_scale).astype(jnp.float8_e4m3fn)
   out, lse = mla_decode(q8, cache8, qo, kvp, kvi, last, max_seqlen_q=2, q_scale=q_scale,
                         kv_scale=jnp.array([kv_scale], jnp.float32), num_kv_splits=2,
-                        implementation="pallas", interpret=interpret)
+                        implementation="triton", interpret=interpret)
   ro, rl = mla_decode(q8, cache8, qo, kvp, kvi, last, max_seqlen_q=2, q_scale=q_scale,
                       kv_scale=kv_scale, implementation="xla")
   assert rel_err(out, ro) < 1e-2
@@ -185,18 +190,9 @@ def test_split_combine_matches_single_split(interpret):
   rng = np.random.default_rng(11)
   q, cache, qo, kvp, kvi, last = _aiter_case(rng, [1, 1], [100, 3], 16, 4)
   outs = [mla_decode(q, cache, qo, kvp, kvi, last, max_seqlen_q=1, num_kv_splits=s,
-                     implementation="pallas", interpret=interpret) for s in (1, 4)]
+                     implementation="triton", interpret=interpret) for s in (1, 4)]
   assert rel_err(outs[1][0], outs[0][0]) < 5e-3
   np.testing.assert_allclose(np.asarray(outs[1][1]), np.asarray(outs[0][1]), rtol=1e-5)
-
-
-def test_combine_splits_empty_rows():
-  out = jnp.ones((3, 2, DV), jnp.float32)
-  lse = jnp.array([[-jnp.inf, 0.0], [-jnp.inf, 0.0], [-jnp.inf, -jnp.inf]], jnp.float32)
-  o, l = kern.combine_splits(out, lse, jnp.bfloat16)
-  assert np.all(np.asarray(o[0]) == 0) and np.isposinf(float(l[0]))
-  np.testing.assert_allclose(np.asarray(o[1], np.float32), 1.0)
-  np.testing.assert_allclose(float(l[1]), np.log(2.0), rtol=1e-6)
 
 
 def _ragged_case(rng, q_lens, kv_lens, n_heads, page_size, pages_per_seq, num_tokens,
@@ -253,7 +249,7 @@ def test_ragged_kernel_matches_reference(interpret, q_lens, kv_lens, n_heads, pa
   copy = lambda a: jnp.array(a, copy=True)  # noqa: E731 - the cache is donated
   out, cache = mla_ragged_paged_attention(*args[:4], copy(args[4]), *args[5:], dist,
                                           sm_scale=0.07, num_queries_per_block=qpb,
-                                          num_kv_splits=2, implementation="pallas",
+                                          num_kv_splits=2, implementation="triton",
                                           interpret=interpret)
   ro, rc = mla_ragged_paged_attention(*args[:4], copy(args[4]), *args[5:], dist, sm_scale=0.07,
                                       implementation="xla")
@@ -272,8 +268,10 @@ def test_validation_errors():
   good = (q, cache, i32(0, 1, 2), i32(0, 1, 2), i32(0, 1), i32(3, 4))
   with pytest.raises(ValueError, match="q must have shape"):
     mla_decode(jnp.zeros((2, 16, 512), jnp.bfloat16), *good[1:], max_seqlen_q=1)
-  with pytest.raises(TypeError, match="kv_indices must have dtype int32"):
-    mla_decode(*good[:4], good[4].astype(jnp.int16), good[5], max_seqlen_q=1)
+  with pytest.raises(TypeError, match="kv_indices must have an integer dtype"):
+    mla_decode(*good[:4], good[4].astype(jnp.float32), good[5], max_seqlen_q=1)
+  with pytest.raises(TypeError, match="kv_indptr must be an integer array"):
+    mla_decode(*good[:3], [0, 1, 2], *good[4:], max_seqlen_q=1)
   with pytest.raises(TypeError, match="kv_cache must have dtype"):
     mla_decode(q, cache.astype(jnp.float32), *good[2:], max_seqlen_q=1)
   with pytest.raises(ValueError, match="kv_last_page_lens must have shape"):
@@ -286,6 +284,108 @@ def test_validation_errors():
     mla_decode_paged(q[None], cache, jnp.zeros((2, 3), jnp.int32), i32(1))
   with pytest.raises(ValueError, match="implementation"):
     mla_decode(*good, max_seqlen_q=1, implementation="cuda")
+  with pytest.raises(TypeError, match="config"):
+    mla_decode(*good, max_seqlen_q=1, config=mosaic.Config(), implementation="triton",
+               interpret=True)
+  with pytest.raises(ValueError, match="block_m"):
+    triton.Config(block_m=48)
+
+
+def test_static_sm_scale_must_be_a_python_number():
+  q = jnp.zeros((2, 16, D), jnp.bfloat16)
+  cache = jnp.zeros((4, 16, D), jnp.bfloat16)
+  i32 = lambda *v: jnp.array(v, jnp.int32)  # noqa: E731
+  good = (q, cache, i32(0, 1, 2), i32(0, 1, 2), i32(0, 1), i32(3, 4))
+  with pytest.raises(TypeError, match="sm_scale"):
+    mla_decode(*good, max_seqlen_q=1, sm_scale=jnp.float32(0.1))
+  with pytest.raises(TypeError, match="sm_scale"):
+    mla_decode_paged(q[None], cache, i32(0)[None], i32(3), sm_scale=np.float32(0.1))
+
+
+def test_int64_metadata_is_cast(interpret):
+  rng = np.random.default_rng(12)
+  q, cache, qo, kvp, kvi, last = _aiter_case(rng, [1, 2], [21, 9], 16, 4)
+  want = mla_decode(q, cache, qo, kvp, kvi, last, max_seqlen_q=2, implementation="triton",
+                    interpret=interpret)
+  i64 = [np.asarray(x).astype(np.int64) for x in (qo, kvp, kvi, last)]
+  got = mla_decode(q, cache, *i64, max_seqlen_q=2, implementation="triton", interpret=interpret)
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  q4, cache4, bt, sl = _paged_case(rng, 2, 1, 16, 16, [20, 3])
+  want = mla_decode_paged(q4, cache4, bt, sl, implementation="xla")
+  got = mla_decode_paged(q4, cache4, np.asarray(bt, np.int64), np.asarray(sl, np.int64),
+                         implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_config_changes_tiling_not_results(interpret):
+  rng = np.random.default_rng(13)
+  q, cache, bt, sl = _paged_case(rng, 2, 2, 16, 16, [40, 7])
+  want = mla_decode_paged(q, cache, bt, sl, causal=True, implementation="triton",
+                          interpret=interpret)
+  cfg = triton.Config(block_m=16, block_n=16, num_warps=4, num_stages=2, num_splits=3)
+  got = mla_decode_paged(q, cache, bt, sl, causal=True, config=cfg, implementation="triton",
+                         interpret=interpret)
+  assert rel_err(got[0], want[0]) < 5e-3
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_checks_raise_eagerly():
+  rng = np.random.default_rng(14)
+  q, cache, qo, kvp, kvi, last = _aiter_case(rng, [1, 2], [21, 9], 16, 4)
+  kw = dict(max_seqlen_q=2, checks=True, implementation="xla")
+  mla_decode(q, cache, qo, kvp, kvi, last, **kw)  # valid metadata passes
+  i32 = lambda *v: jnp.array(v, jnp.int32)  # noqa: E731
+  bad = [
+      ("qo_indptr must be non-decreasing", dict(qo=i32(0, 2, 1))),
+      ("qo_indptr must lie in", dict(qo=i32(0, 1, 4))),
+      ("kv_indptr must be non-decreasing", dict(kvp=i32(0, 6, 3))),
+      ("kv_indptr must lie in", dict(kvp=i32(0, 6, 99))),
+      ("kv_last_page_lens must lie in", dict(last=i32(5, 1))),
+      ("kv_last_page_lens must lie in", dict(last=i32(1, 0))),
+  ]
+  for match, change in bad:
+    a = dict(qo=qo, kvp=kvp, last=last, **{k: v for k, v in change.items()})
+    with pytest.raises(ValueError, match=match):
+      mla_decode(q, cache, a["qo"], a["kvp"], kvi, a["last"], **kw)
+
+
+def test_mla_decode_paged_checks_raise_eagerly():
+  rng = np.random.default_rng(15)
+  q, cache, bt, sl = _paged_case(rng, 2, 1, 16, 16, [20, 3])
+  kw = dict(checks=True, implementation="xla")
+  mla_decode_paged(q, cache, bt, sl, **kw)  # junk ids past each sequence are fine
+  cap = bt.shape[1] * 16
+  for match, args in [
+      ("cache_seqlens must be >= 0", (bt, jnp.array([20, -1], jnp.int32))),
+      ("cache_seqlens must be <=", (bt, jnp.array([cap + 1, 3], jnp.int32))),
+      ("block_table ids used", (bt.at[0, 1].set(cache.shape[0]), sl)),
+      ("block_table ids used", (bt.at[1, 0].set(-1), sl)),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      mla_decode_paged(q, cache, *args, **kw)
+
+
+def test_ragged_accepts_tpu_inference_kwargs(interpret):
+  rng = np.random.default_rng(16)
+  q_lens, kv_lens = [1, 3], [6, 5]
+  args = _ragged_case(rng, q_lens, kv_lens, 2, 4, 2, 5, 2)
+  dist = jnp.array([1, 2, 2], jnp.int32)
+  copy = lambda a: jnp.array(a, copy=True)  # noqa: E731 - the cache is donated
+  mask_value = -0.7 * float(np.finfo(np.float32).max)  # tpu-inference's DEFAULT_MASK_VALUE
+  tpu_kw = dict(sliding_window=None, soft_cap=None, mask_value=mask_value, chunk_prefill_size=None,
+                num_kv_pages_per_block=16, num_queries_per_block=4,
+                vmem_limit_bytes=64 * 1024 * 1024, debug_mode=False)
+  want, _ = mla_ragged_paged_attention(*args[:4], copy(args[4]), *args[5:], dist,
+                                       implementation="xla")  # sm_scale defaults to 1.0
+  got, _ = mla_ragged_paged_attention(*args[:4], copy(args[4]), *args[5:], dist, sm_scale=1.0,
+                                      implementation="triton", interpret=interpret, **tpu_kw)
+  assert rel_err(got, want) < 1e-2
+  for kw, match in [(dict(sliding_window=128), "sliding_window"),
+                    (dict(soft_cap=50.0), "soft_cap"), (dict(debug_mode=True), "debug_mode"),
+                    (dict(sm_scale=jnp.float32(0.1)), "sm_scale")]:
+    with pytest.raises((ValueError, TypeError), match=match):
+      mla_ragged_paged_attention(*args[:4], copy(args[4]), *args[5:], dist, **kw)
 
 
 def test_jit_composes():

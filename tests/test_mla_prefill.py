@@ -1,4 +1,4 @@
-"""mla_prefill: Pallas kernel vs jax.numpy reference vs a hand-written numpy softmax."""
+"""mla_prefill: Triton kernel vs jax.numpy reference vs a hand-written numpy softmax."""
 
 import math
 
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
-from jax_mla.dense_prefill import mla_prefill
-from jax_mla.dense_prefill.kernel import mla_prefill_pallas
+from jax_mla.dense_prefill import mla_prefill, mla_prefill_token_major, triton
 
 
 def _cu(lens):
@@ -89,8 +88,10 @@ CASES = [
 def test_kernel_matches_reference(interpret, seed, len_q, len_k, tail_q, tail_k, causal):
   # 16 x 16 tiles: several q blocks per sequence, unmasked key blocks, diagonal blocks.
   q, k, v, cu_q, cu_k = _inputs(seed, len_q, len_k, tail_q=tail_q, tail_k=tail_k)
-  out, lse = mla_prefill_pallas(q, k, v, cu_q, cu_k, max_seqlen_q=max(len_q), sm_scale=0.11,
-                                causal=causal, block_q=16, block_k=16, interpret=interpret)
+  out, lse = triton.mla_prefill_triton(
+      q, k, v, cu_q, cu_k, max_seqlen_q=max(len_q), sm_scale=0.11, causal=causal,
+      config=triton.Config(block_q=16, block_k=16), interpret=interpret)
+  lse = lse.T  # the kernel is token-major, mla_prefill's LSE [H, Tq]
   ref_out, ref_lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, causal, implementation="xla")
   assert out.shape == ref_out.shape and lse.shape == (q.shape[1], q.shape[0])
   tol = 1e-5 if interpret else 1e-4  # GPU: another summation order
@@ -104,7 +105,7 @@ def test_kernel_bf16_small_blocks(interpret):
   # bf16 inputs, head sizes 128 (no rest part) and v 64, several key blocks per query block.
   len_q, len_k = [23, 9], [50, 9]
   q, k, v, cu_q, cu_k = _inputs(4, len_q, len_k, d_qk=128, d_v=64, heads=3, dtype=jnp.bfloat16)
-  out, lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, True, implementation="pallas",
+  out, lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, True, implementation="triton",
                   interpret=interpret)
   ref_out, ref_lse = _numpy_prefill(q, k, v, len_q, len_k, 0.11, True)
   assert out.dtype == jnp.bfloat16
@@ -126,7 +127,7 @@ def test_nan_outside_sequences_does_not_leak(interpret):
   len_q, len_k = [7, 3], [12, 3]
   q, k, v, cu_q, cu_k = _inputs(6, len_q, len_k, tail_q=2, tail_k=4)
   q, k, v = q.at[-2:].set(jnp.nan), k.at[-4:].set(jnp.nan), v.at[-4:].set(jnp.nan)
-  for impl in ("pallas", "xla"):
+  for impl in ("pallas", "xla"):  # "pallas": the old name of "triton"
     out, lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, False, implementation=impl,
                     interpret=interpret)
     assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
@@ -141,15 +142,32 @@ def test_validation_errors():
     mla_prefill(q, k.astype(jnp.bfloat16), v, cu, cu, **kw)
   with pytest.raises(ValueError, match="k must have shape"):
     mla_prefill(q, k[:, :1], v, cu, cu, **kw)
-  with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32"):
+  with pytest.raises(TypeError, match="cu_seqlens_q must have an integer dtype"):
     mla_prefill(q, k, v, cu.astype(jnp.float32), cu, **kw)
   with pytest.raises(ValueError, match="cu_seqlens_k must have shape"):
     mla_prefill(q, k, v, cu, jnp.zeros((3,), jnp.int32), **kw)
   with pytest.raises(ValueError, match="head size .* got 100"):
-    mla_prefill(q[..., :100], k[..., :100], v, cu, cu, implementation="pallas", interpret=True,
+    mla_prefill(q[..., :100], k[..., :100], v, cu, cu, implementation="triton", interpret=True,
                 **kw)
   with pytest.raises(ValueError, match="max_seqlen_q"):
     mla_prefill(q, k, v, cu, cu, max_seqlen_q=None, max_seqlen_k=4, sm_scale=0.1)
+  with pytest.raises(TypeError, match="sm_scale"):
+    mla_prefill(q, k, v, cu, cu, max_seqlen_q=4, max_seqlen_k=4, sm_scale=jnp.float32(0.1))
+  with pytest.raises(TypeError, match="config"):
+    mla_prefill(q, k, v, cu, cu, **kw, config=object(), implementation="triton", interpret=True)
+
+
+def test_int64_metadata_and_token_major_lse(interpret):
+  len_q, len_k = [5, 3], [6, 3]
+  q, k, v, cu_q, cu_k = _inputs(9, len_q, len_k)
+  cu_q64, cu_k64 = _cu(len_q).astype(np.int64), _cu(len_k).astype(np.int64)
+  for impl in ("triton", "xla"):
+    want_out, want_lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, True, implementation=impl,
+                              interpret=interpret)
+    out, lse = mla_prefill_token_major(q, k, v, cu_q64, cu_k64, max_seqlen_q=5, max_seqlen_k=6,
+                                       sm_scale=0.11, implementation=impl, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse).T)
 
 
 @pytest.mark.gpu
@@ -157,7 +175,7 @@ def test_kernel_matches_reference_gpu():
   len_q, len_k = [700, 1, 0, 333, 1024], [900, 1, 5, 333, 1024]
   q, k, v, cu_q, cu_k = _inputs(8, len_q, len_k, heads=8, dtype=jnp.bfloat16, tail_q=5)
   for causal in (True, False):
-    out, lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, causal, implementation="pallas")
+    out, lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, causal, implementation="triton")
     ref_out, ref_lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, causal, implementation="xla")
     assert rel_err(out, ref_out) < 1e-2
     _check_lse(lse, ref_lse, 1e-2)

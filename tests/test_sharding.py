@@ -7,9 +7,12 @@ module defines one test that re-runs this file under pytest in a subprocess with
 defines the real tests: each op on meshes ``dp x tp`` = 1x4 and 2x2 (heads over
 ``tp``, requests over ``dp``), head counts that need padding per device included,
 against the op run on one device (split layout: the same global arrays; stacked
-layout: each shard's own call).
+layout: each shard's own call). Meshes come from ``jax.make_mesh`` (Explicit axes);
+representative cases also run on Auto, mixed and ``Mesh(...)`` meshes, and the
+module docstring's example runs as written.
 """
 
+import doctest
 import os
 import re
 import subprocess
@@ -32,7 +35,7 @@ if not CHILD:
     summary = r.stdout.strip().splitlines()[-1]
     # Every child test passed: nothing failed, errored, skipped or deselected.
     assert re.fullmatch(r"=* ?\d+ passed(, \d+ warnings?)? in [\d.]+s( \(.*\))? ?=*", summary), log
-    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 26, log
+    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 34, log
 
 else:
 
@@ -41,22 +44,36 @@ else:
   import numpy as np
   import pytest
   from helpers import rel_err
-  from jax.sharding import Mesh
+  from jax.sharding import AxisType, Mesh
 
-  from jax_mla import sharding
+  from jax_mla import paged_attention, sharding
   from jax_mla.backends import aiter_mla as A
   from jax_mla.backends import deepseek_v4 as v4
+  from jax_mla.backends import flashmla_sparse as F
+  from jax_mla.backends import split_decodes_and_prefills
   from jax_mla.cache import quantize_fp8_ds_mla, quantize_fp8_model1_cache
   from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
   from jax_mla.dense_prefill import mla_prefill
   from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
   MESHES = [(1, 4), (2, 2)]
+  MESH_KINDS = ["explicit", "auto", "mixed", "Mesh"]
   XLA = dict(implementation="xla")
+  # Every op that declares its sharding.
+  OPS = [sparse_mla_prefill, sparse_mla_decode, mla_decode, mla_decode_paged,
+         mla_ragged_paged_attention, mla_prefill, paged_attention, A.aiter_mla_forward,
+         A.forward_mqa, A.forward_mha, F.flashmla_sparse_forward, v4.deepseek_v4_sparse_forward,
+         v4.deepseek_v4_sparse_decode, v4.deepseek_v4_sparse_prefill]
 
-  def make_mesh(shape):
+  def make_mesh(shape, kind="explicit"):
+    """A ``("dp", "tp")`` mesh: ``jax.make_mesh`` with Explicit, Auto or mixed (dp
+    Explicit, tp Auto) axes, or ``jax.sharding.Mesh`` over the first 4 devices."""
     assert jax.device_count() >= 4, "the child run needs 4 devices"
-    return Mesh(np.array(jax.devices()[:4]).reshape(shape), ("dp", "tp"))
+    if kind == "Mesh":
+      return Mesh(np.array(jax.devices()[:4]).reshape(shape), ("dp", "tp"))
+    types = dict(explicit=(AxisType.Explicit,) * 2, auto=(AxisType.Auto,) * 2,
+                 mixed=(AxisType.Explicit, AxisType.Auto))[kind]
+    return jax.make_mesh(shape, ("dp", "tp"), axis_types=types)
 
   def bf16(rng, shape, scale=1.0):
     return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
@@ -284,7 +301,6 @@ else:
 
   def test_flashmla_sparse_forward_head_parallel():
     # 6 heads on 4 devices: 2 each, padded to 8 (zero queries and weights, dropped after).
-    from jax_mla.backends import flashmla_sparse as F
     rng = np.random.default_rng(7)
     bs, t = 8, 3
     cfg = F.FlashMLASparseConfig(num_heads=6, scale=192**-0.5)
@@ -314,7 +330,7 @@ else:
                for p in range(ctx[r], seq[r])]
       slot_mapping = np.array(slots + [-1], np.int32)
       t = len(slot_mapping)
-      counts = v4.split_decodes_and_prefills(qsl)
+      counts = split_decodes_and_prefills(qsl)
       md = v4.build_deepseek_v4_metadata(
           cfg, jnp.asarray(qsl), jnp.asarray(seq), jnp.asarray(slot_mapping),
           jnp.asarray(swa_bt), jnp.asarray(bt), num_decodes=counts[0],
@@ -337,13 +353,62 @@ else:
     check_stacked(v4.deepseek_v4_sparse_forward, mesh_shape, v4_shard(cfg),
                   dict(attn_sink=sink, config=cfg, **XLA))
 
+  # --- meshes: jax.make_mesh (Explicit, Auto, mixed axes) and Mesh(...) ---------------------
+
+  def test_module_docstring_example_runs_as_written():
+    test = doctest.DocTestParser().get_doctest(sharding.__doc__, {}, "jax_mla.sharding", None, 0)
+    assert doctest.DocTestRunner().run(test).failed == 0
+    ns = test.globs  # the example's own names: check it against each group's own call
+    ref = stacked_reference(mla_ragged_paged_attention, ns["calls"], dict(sm_scale=576 ** -0.5))
+    assert_same((ns["o_latent"], ns["cache"]), ref)
+
+  @pytest.mark.parametrize("kind", MESH_KINDS)
+  def test_mesh_kinds_eager_and_jit(kind):
+    # Heads padded (6 over 4 devices), eagerly as the issue's first call did.
+    kw = sparse_prefill_case(np.random.default_rng(1), 6)
+    out = sharding.head_parallel(sparse_mla_prefill, make_mesh((1, 4), kind), "tp")(**kw)
+    assert_same(out, sparse_mla_prefill(**kw))
+    # Requests split with rebased ids and heads padded, under jit.
+    kw = sparse_decode_case(np.random.default_rng(2), 3, "auto")
+    out = run_sharded(sparse_mla_decode, make_mesh((2, 2), kind), kw, layout="split")
+    assert_same(out, sparse_mla_decode(**kw))
+
+  @pytest.mark.parametrize("kind", ["explicit", "Mesh"])
+  def test_inputs_already_sharded_elsewhere(kind):
+    # Inputs placed on another sharding of the mesh (q split over dp on its head axis)
+    # are moved to the specs first.
+    mesh = make_mesh((2, 2), kind)
+    kw = sparse_prefill_case(np.random.default_rng(3), 8)
+    placed = dict(kw, q=jax.device_put(kw["q"], jax.sharding.NamedSharding(
+        mesh, jax.P(None, "dp"))))
+    out = sharding.head_parallel(sparse_mla_prefill, mesh, "tp")(**placed)
+    assert_same(out, sparse_mla_prefill(**kw))
+
+  def paged_shard(rng, hq=8, hkv=2):
+    nb, bs, d = 6, 4, 16
+    return dict(query=bf16(rng, (3, hq, d)), key_cache=bf16(rng, (nb, hkv, bs, d)),
+                value_cache=bf16(rng, (nb, hkv, bs, d)),
+                block_tables=jnp.asarray(rng.permutation(nb)[:6].reshape(3, 2), jnp.int32),
+                seq_lens=jnp.asarray([5, 8, 1], jnp.int32))
+
+  def test_paged_attention_gqa_head_parallel_and_stacked():
+    # 8 query heads over 2 KV heads: each device gets whole groups; 2 KV heads over
+    # 4 devices pad to 4 (zero KV heads with zero query groups, dropped after).
+    rng = np.random.default_rng(8)
+    shared = dict(sinks=jnp.asarray(rng.standard_normal(8), jnp.float32), scale=0.25, **XLA)
+    kw = paged_shard(rng)
+    out = run_sharded(paged_attention, make_mesh((1, 4)), {**kw, **shared}, layout="split",
+                      requests=False)
+    assert_same(out, paged_attention(**kw, **shared))
+    check_stacked(paged_attention, (2, 2), paged_shard, shared)
+
   # --- contract errors ------------------------------------------------------------------------
 
   def test_errors_name_the_problem():
     mesh = make_mesh((2, 2))
     with pytest.raises(ValueError, match="ragged metadata"):
       sharding.request_parallel(mla_decode, mesh, "dp")
-    with pytest.raises(ValueError, match="no OpSharding"):
+    with pytest.raises(ValueError, match="declares no OpSharding"):
       sharding.head_parallel(jnp.sum, mesh, "tp")
     with pytest.raises(ValueError, match="not in the mesh"):
       sharding.head_parallel(mla_decode, mesh, "heads")
@@ -357,9 +422,12 @@ else:
     kw["block_table"], kw["cache_seqlens"] = kw["block_table"][:3], kw["cache_seqlens"][:3]
     with pytest.raises(ValueError, match="must divide by the 2 devices"):
       sharding.request_parallel(mla_decode_paged, mesh, "dp")(**kw)
-    for op in sharding._SPECS:  # every table names only arguments its op takes
+    for op in OPS:  # every declaration names only arguments its op takes
+      assert isinstance(op.sharding, sharding.OpSharding)
       sharding.shard_attention(op, mesh, head_axis="tp", request_axis="dp",
                                request_layout="stacked")
+    wrapped = sharding.head_parallel(mla_decode, mesh, "tp")
+    assert not hasattr(wrapped, "sharding")  # the sharded op is not shardable again
     with pytest.raises(ValueError, match="does not take"):
       sharding.head_parallel(mla_decode, mesh, spec=sharding.OpSharding(
           heads=dict(query=1), head_outs=(1, 1), num_heads=lambda a: 1))

@@ -15,6 +15,8 @@ common MLA flow (``vllm/v1/attention/backends/mla/common.py``):
 * ``aiter_mla_forward``: the whole layer (cache write, prefill, absorbed decode,
   ``W_UV`` up-projection), tokens ordered decodes first as vLLM orders them.
 
+:class:`AiterMLA` gathers the entry points and shows a whole step.
+
 Metadata are pytree dataclasses whose host-derived counts are static fields
 (changing them retraces, like a new CUDA-graph capture size in vLLM).
 """
@@ -30,13 +32,16 @@ import numpy as np
 
 from jax_mla._common import FP8_E4M3_MAX, Implementation, cdiv
 from jax_mla._pytree import pytree_dataclass, static_field
+from jax_mla.backends._batch import split_decodes_and_prefills
 from jax_mla.cache import concat_and_cache_mla
 from jax_mla.dense_decode import mla_decode
 from jax_mla.dense_prefill import mla_prefill
 from jax_mla.indexing import expand_page_indices
 from jax_mla.merge import merge_attn_states
+from jax_mla.sharding import OpSharding, config_heads, set_config_heads
 
 AITER_MIN_MLA_HEADS = 16
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 # --- head padding (AiterMLAHelper) -----------------------------------------------------------
@@ -58,6 +63,14 @@ def check_num_heads_validity(num_heads: int) -> None:
         f"Aiter MLA requires that num_heads be multiples or divisors of 16, "
         f"but provided {num_heads} number of heads.\n"
         f"Try adjusting tensor_parallel_size value.")
+
+
+def padded_num_heads(num_heads: int) -> int:
+  """Smallest head count ``>= num_heads`` that AITER runs (a divisor or a multiple of 16):
+  the per-device count when heads are split over devices (:mod:`jax_mla.sharding`)."""
+  while not is_valid_num_heads(num_heads):
+    num_heads += 1
+  return num_heads
 
 
 def get_actual_mla_num_heads(num_heads: int) -> int:
@@ -148,6 +161,9 @@ def determine_chunked_prefill_workspace_size(max_model_len: int, max_num_seqs: i
 class AiterMLAMetadataBuilder:
   """Builds ``AiterMLAMetadata`` on the host (vLLM ``AiterMLAMetadataBuilder.build``).
 
+  Configured once (block size, buffer sizes); :meth:`build` runs each step and its
+  result is shared by every layer. :class:`AiterMLA` shows a whole step.
+
   Attributes:
     block_size: cache block size, the kernel block size ``K`` of the flat view.
     max_model_len, max_num_seqs: size the decode page-index buffer
@@ -155,7 +171,9 @@ class AiterMLAMetadataBuilder:
     chunked_prefill_workspace_size: context tokens per chunk over all prefills
       (``None``: vLLM's default rule).
     decode_threshold: requests with at most this many new tokens, at the front of
-      the batch and all of one length (``QueryLenSupport.UNIFORM``), are decodes.
+      the batch and all of one length (``QueryLenSupport.UNIFORM``), are decodes
+      (:func:`~jax_mla.backends.split_decodes_and_prefills`).
+    implementation, interpret: for the page-index expansion (``expand_page_indices``).
   """
   block_size: int
   max_model_len: int
@@ -172,15 +190,6 @@ class AiterMLAMetadataBuilder:
     return determine_chunked_prefill_workspace_size(
         self.max_model_len, self.max_num_seqs, self.block_size)
 
-  def split_decodes_and_prefills(self, query_lens: np.ndarray) -> int:
-    """Number of leading decode requests (uniform length <= ``decode_threshold``)."""
-    num_decodes = 0
-    for n in query_lens:
-      if n > self.decode_threshold or n != query_lens[0]:
-        break
-      num_decodes += 1
-    return num_decodes
-
   def build(self, query_start_loc, seq_lens, block_table, slot_mapping) -> AiterMLAMetadata:
     """Builds the step's metadata.
 
@@ -194,8 +203,8 @@ class AiterMLAMetadataBuilder:
     seq_lens_np = np.asarray(seq_lens, np.int64)
     query_lens = qsl[1:] - qsl[:-1]
     num_reqs = len(query_lens)
-    num_decodes = self.split_decodes_and_prefills(query_lens)
-    num_decode_tokens = int(qsl[num_decodes])
+    num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+        qsl, decode_threshold=self.decode_threshold, require_uniform=True)
     block_table = jnp.asarray(block_table, jnp.int32)
     kw = dict(implementation=self.implementation, interpret=self.interpret)
 
@@ -278,9 +287,9 @@ class AiterMLAConfig:
 
   def __post_init__(self):
     check_num_heads_validity(self.num_heads)
-    if self.kv_cache_dtype not in ("auto", "fp8"):
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise ValueError(
-          f"kv_cache_dtype must be one of ['auto', 'fp8'] for AiterMLA; got "
+          f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} for AiterMLA; got "
           f"{self.kv_cache_dtype!r}")
 
 
@@ -453,3 +462,63 @@ def aiter_mla_forward(q, k_c_normed, k_pe, kv_cache, attn_metadata: AiterMLAMeta
 
   return output.reshape(num_tokens, config.num_heads * config.v_head_dim), kv_cache
 
+
+
+class AiterMLA:
+  """Dense MLA layer (vLLM's ``ROCM_AITER_MLA`` backend), functional, for any GPU.
+
+  Per step, a :attr:`MetadataBuilder` (configured once) builds an
+  :class:`AiterMLAMetadata` from host-side request offsets, sequence lengths, block
+  table and slot mapping; per layer, :attr:`forward` writes the new latents into the
+  cache, runs prefill (decompressed MHA over new tokens + chunked cached context)
+  and decode (absorbed MQA over the latent cache, heads padded to 16) and returns
+  ``(output, kv_cache)``. Tokens are ordered decodes first, as vLLM orders them.
+  Shapes (``T`` tokens, ``N`` heads, DeepSeek dims): ``q [T, N, 128 + 64]``,
+  ``k_c_normed [T, 512]``, ``k_pe [T, 64]``, ``kv_cache [blocks, block_size, 576]``
+  (bf16 ``"auto"`` or float8_e4m3fn ``"fp8"`` with ``k_scale``),
+  ``kv_b_proj [512, N * (128 + 128)]``; output ``[T, N * 128]``. ``N`` must divide
+  16 or be a multiple of it.
+
+  Example (request 0 decodes 1 token after 9 cached ones, request 1 prefills 3
+  tokens; the reference runs anywhere, drop ``implementation`` for the GPU kernels):
+
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from jax_mla.backends import AiterMLA
+
+    >>> N, block_size = 16, 16
+    >>> config = AiterMLA.Config(num_heads=N, scale=192 ** -0.5)
+    >>> builder = AiterMLA.MetadataBuilder(block_size=block_size, max_model_len=64,
+    ...                                    max_num_seqs=2, implementation="xla")
+    >>> metadata = builder.build(
+    ...     query_start_loc=np.array([0, 1, 4]), seq_lens=np.array([10, 3]),
+    ...     block_table=np.array([[0, 1], [2, 3]], np.int32),
+    ...     slot_mapping=np.array([9, 32, 33, 34], np.int32))  # block * 16 + offset
+    >>> x = lambda seed, shape: jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+    >>> out, kv_cache = AiterMLA.forward(
+    ...     x(0, (4, N, 192)), x(1, (4, 512)), x(2, (4, 64)),  # q, k_c_normed, k_pe
+    ...     jnp.zeros((4, block_size, 576), jnp.bfloat16),    # kv_cache
+    ...     metadata, x(3, (512, N * 256)) * 0.05,             # kv_b_proj
+    ...     config=config, implementation="xla")
+    >>> assert out.shape == (4, N * 128) and kv_cache.shape == (4, block_size, 576)
+  """
+  Config = AiterMLAConfig
+  Metadata = AiterMLAMetadata
+  MetadataBuilder = AiterMLAMetadataBuilder
+  forward = staticmethod(aiter_mla_forward)
+  forward_mqa = staticmethod(forward_mqa)
+  forward_mha = staticmethod(forward_mha)
+  kv_cache_dtypes = KV_CACHE_DTYPES
+
+
+# Heads split over devices with kv_b_proj's columns (N * (qk_nope + v_head_dim), heads
+# outermost); each device's count rounded up to one AITER runs.
+_HEADS = dict(num_heads=config_heads, local_heads=padded_num_heads, set_heads=set_config_heads)
+aiter_mla_forward.sharding = OpSharding(
+    heads=dict(q=1, kv_b_proj=1), head_outs=(1, None),
+    shared=("kv_b_proj", "k_scale", "q_scale"), **_HEADS)
+forward_mqa.sharding = OpSharding(heads=dict(q=1), head_outs=(1, 1),
+                                  shared=("q_scale", "kv_scale"), **_HEADS)
+forward_mha.sharding = OpSharding(heads=dict(q=1, kv_b_proj=1), head_outs=1,
+                                  shared=("kv_b_proj", "k_scale"), **_HEADS)

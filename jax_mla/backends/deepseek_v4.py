@@ -21,15 +21,7 @@ go in chunks of ``prefill_chunk_size``: each chunk dequantizes its compressed
 entries and SWA tokens into a bf16 workspace and runs
 :func:`jax_mla.sparse_mla.sparse_mla_prefill` over it with per-token lengths.
 
-Typical use (one step; the batch is ordered decodes first, as vLLM orders it)::
-
-  cfg = DeepseekV4Config(num_heads=64, window_size=128, compress_ratio=4)
-  counts = split_decodes_and_prefills(query_start_loc_host)
-  md = build_deepseek_v4_metadata(cfg, query_start_loc, seq_lens, slot_mapping,
-                                  swa_block_table, block_table, num_decodes=counts[0],
-                                  num_decode_tokens=counts[2])
-  out, swa_cache = deepseek_v4_sparse_forward(q, kv, swa_cache, compressed_cache, md,
-                                              attn_sink, topk_indices, config=cfg)
+:class:`DeepseekV4Sparse` gathers the entry points and shows a whole step.
 """
 
 from __future__ import annotations
@@ -46,9 +38,11 @@ from jax_mla._pytree import pytree_dataclass, static_field
 from jax_mla.backends import deepseek_v4_indices as idx
 from jax_mla.cache import concat_and_cache_mla
 from jax_mla.indexing import req_id_per_token
+from jax_mla.sharding import OpSharding, config_heads, set_config_heads
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 COMPRESS_RATIOS = (1, 4, 128)
+KV_CACHE_DTYPES = ("fp8_model1",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +81,7 @@ class DeepseekV4Config:
     c.check_one_of("compress_ratio", self.compress_ratio, COMPRESS_RATIOS)
     c.check_one_of("head_dim", self.head_dim, (512,))
     c.check_one_of("rope_head_dim", self.rope_head_dim, (64,))
-    c.check_one_of("kv_cache_dtype", self.kv_cache_dtype, ("fp8_model1",))
+    c.check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
     for name in ("num_heads", "window_size", "max_model_len", "index_topk", "block_size",
                  "swa_block_size", "prefill_chunk_size"):
       if getattr(self, name) < 1:
@@ -161,27 +155,6 @@ class DeepseekV4Metadata:
   prefill_chunk_capacity: int = static_field()
 
 
-def split_decodes_and_prefills(query_start_loc, *, decode_threshold: int = 1
-                               ) -> tuple[int, int, int, int]:
-  """Host-side split of a batch ordered decodes first (vLLM's helper).
-
-  Requests with ``query_len <= decode_threshold`` at the front are decodes.
-
-  Args:
-    query_start_loc: concrete int ``[R + 1]`` (numpy or a committed jax array).
-
-  Returns:
-    ``(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)``.
-  """
-  qsl = np.asarray(query_start_loc)
-  query_lens = np.diff(qsl)
-  is_prefill = query_lens > decode_threshold
-  num_decodes = int(np.argmax(is_prefill)) if is_prefill.any() else len(query_lens)
-  num_decode_tokens = int(qsl[num_decodes] - qsl[0])
-  return (num_decodes, len(query_lens) - num_decodes, num_decode_tokens,
-          int(qsl[-1] - qsl[0]) - num_decode_tokens)
-
-
 def _chunk_capacity(query_start_loc, config, num_decodes, num_prefills, num_prefill_tokens):
   """Static query-token bound of one prefill chunk: exact (power-of-two bucket) when
   ``query_start_loc`` is concrete, else every prefill token."""
@@ -212,7 +185,10 @@ def build_deepseek_v4_metadata(
       ``T`` is the padded token count.
     swa_block_table: int32 ``[R, Bs]``.
     block_table: int32 ``[R, Bc]`` of the compressed layer (required for ratio 4/128).
-    num_decodes, num_decode_tokens: static, e.g. from :func:`split_decodes_and_prefills`.
+    num_decodes, num_decode_tokens: static, e.g. from
+      :func:`~jax_mla.backends.split_decodes_and_prefills`.
+
+  :class:`DeepseekV4Sparse` shows a whole step.
   """
   for name, x in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                   ("slot_mapping", slot_mapping), ("swa_block_table", swa_block_table)):
@@ -478,8 +454,74 @@ def deepseek_v4_sparse_forward(
   return jnp.concatenate([out_d, out_p], axis=0), swa_cache
 
 
+class DeepseekV4Sparse:
+  """DeepSeek V4 sparse attention layer (vLLM's ``ROCM_AITER_MLA_SPARSE_DSV4``), functional.
+
+  Per step, :attr:`build_metadata` (with the decode counts of
+  :func:`~jax_mla.backends.split_decodes_and_prefills`) builds a
+  :class:`DeepseekV4Metadata`; per layer, :attr:`forward` writes the new latents
+  into the sliding-window cache and attends each token to its window and its
+  compressed entries with the head's sink, returning ``(out, swa_cache)``. Tokens
+  are ordered decodes first. Shapes (``T`` tokens, ``H`` heads): ``q [T, H, 512]``
+  and ``kv [T, 512]`` bf16 (448 NoPE + 64 RoPE), ``swa_cache`` /
+  ``compressed_cache`` uint8 ``fp8_model1`` caches (``kv_cache_shape(blocks,
+  block_size, 512, "fp8_model1")``, ``block_size`` = ``config.swa_block_size`` /
+  ``config.compressed_block_size``), ``attn_sink`` float32 ``[H]``,
+  ``topk_indices`` int32 ``[T, config.index_topk]`` request-local compressed ids
+  (ratio 4 only); ``out`` bf16 ``[T, H, 512]``.
+
+  Example (ratio 4; request 0 decodes its 13th token, request 1 prefills 3 tokens;
+  the reference runs anywhere, drop ``implementation`` for the GPU kernels):
+
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from jax_mla.backends import DeepseekV4Sparse, split_decodes_and_prefills
+    >>> from jax_mla.cache import kv_cache_shape
+
+    >>> H = 4
+    >>> config = DeepseekV4Sparse.Config(num_heads=H, window_size=8, compress_ratio=4,
+    ...                                  index_topk=4, block_size=16, swa_block_size=8,
+    ...                                  max_model_len=64)
+    >>> query_start_loc = np.array([0, 1, 4], np.int32)
+    >>> num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(query_start_loc)
+    >>> metadata = DeepseekV4Sparse.build_metadata(
+    ...     config, jnp.asarray(query_start_loc),
+    ...     jnp.array([13, 3], jnp.int32),           # seq_lens, new tokens included
+    ...     jnp.array([12, 16, 17, 18], jnp.int32),  # slot_mapping: SWA block * 8 + offset
+    ...     jnp.array([[0, 1], [2, 3]], jnp.int32),  # swa_block_table
+    ...     jnp.array([[0], [1]], jnp.int32),        # block_table of the compressed cache
+    ...     num_decodes=num_decodes, num_decode_tokens=num_decode_tokens)
+    >>> x = lambda seed, shape: jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+    >>> out, swa_cache = DeepseekV4Sparse.forward(
+    ...     x(0, (4, H, 512)), x(1, (4, 512)),                               # q, kv
+    ...     jnp.zeros(kv_cache_shape(4, 8, 512, "fp8_model1"), jnp.uint8),  # swa_cache
+    ...     jnp.zeros(kv_cache_shape(2, 4, 512, "fp8_model1"), jnp.uint8),  # compressed_cache
+    ...     metadata, jnp.zeros((H,), jnp.float32),                           # attn_sink
+    ...     jnp.array([[0, 1, 2, -1]] + [[-1] * 4] * 3, jnp.int32),          # topk_indices
+    ...     config=config, implementation="xla")
+    >>> assert out.shape == (4, H, 512)
+  """
+  Config = DeepseekV4Config
+  Metadata = DeepseekV4Metadata
+  build_metadata = staticmethod(build_deepseek_v4_metadata)
+  forward = staticmethod(deepseek_v4_sparse_forward)
+  decode = staticmethod(deepseek_v4_sparse_decode)
+  prefill = staticmethod(deepseek_v4_sparse_prefill)
+  write_swa_cache = staticmethod(deepseek_v4_write_swa_cache)
+  kv_cache_dtypes = KV_CACHE_DTYPES
+
+
+# Heads split over devices with their sinks; caches and metadata replicated.
+for _op, _outs in ((deepseek_v4_sparse_forward, (1, None)), (deepseek_v4_sparse_decode, 1),
+                   (deepseek_v4_sparse_prefill, 1)):
+  _op.sharding = OpSharding(heads=dict(q=1, attn_sink=0), head_outs=_outs,
+                            num_heads=config_heads, set_heads=set_config_heads,
+                            shared=("attn_sink",))
+
+
 __all__ = [
-    "DeepseekV4Config", "DeepseekV4Metadata", "build_deepseek_v4_metadata",
+    "DeepseekV4Config", "DeepseekV4Metadata", "DeepseekV4Sparse", "build_deepseek_v4_metadata",
     "deepseek_v4_sparse_decode", "deepseek_v4_sparse_forward", "deepseek_v4_sparse_prefill",
-    "deepseek_v4_write_swa_cache", "split_decodes_and_prefills",
+    "deepseek_v4_write_swa_cache",
 ]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jax_mla import _common as c
 from jax_mla.cache import gather_dequantize
-from jax_mla.indexing import convert_req_index_to_global_index
+from jax_mla.indexing import convert_req_index_to_global_index, req_id_per_token
 
 
 def token_positions(query_start_loc, seq_lens, req, token):
@@ -219,11 +219,9 @@ def combine_topk_swa_indices(
   c.check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
   c.check_shape("gather_lens", gather_lens, seq_lens.shape)
   num_tokens, width = topk_indices.shape
-  num_reqs = seq_lens.shape[0]
   token = jnp.arange(num_tokens, dtype=jnp.int32)
-  req = jnp.searchsorted(query_start_loc, token, side="right").astype(jnp.int32) - 1
-  in_req = (req >= 0) & (req < num_reqs)
-  req = jnp.clip(req, 0, num_reqs - 1)
+  req = req_id_per_token(query_start_loc, num_tokens=num_tokens)
+  in_req = (token >= query_start_loc[0]) & (token < query_start_loc[-1])
   pos = token_positions(query_start_loc, seq_lens, req, token)
   num_compressed = (pos + 1) // compress_ratio
   topk_len = jnp.where(in_req, jnp.minimum(num_compressed, topk), 0)

@@ -6,7 +6,8 @@ tokens' latents are written into the cache, the indexer's request-local top-k is
 turned into global cache slots, sparse attention runs over those slots (bf16
 cache: ``sparse_mla_prefill`` over the flat cache; ``fp8_ds_mla`` cache:
 ``sparse_mla_decode`` with in-kernel dequantization) and ``W_UV`` projects the
-latent output to the value heads.
+latent output to the value heads. :class:`FlashMLASparse` gathers the entry
+points and shows a whole step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax_mla import _common as c
 from jax_mla._pytree import pytree_dataclass, static_field
 from jax_mla.cache import concat_and_cache_mla
 from jax_mla.indexing import convert_req_index_to_global_index, req_id_per_token
+from jax_mla.sharding import OpSharding, config_heads, set_config_heads
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
@@ -54,6 +56,8 @@ def build_flashmla_sparse_metadata(query_start_loc: jax.Array, block_table: jax.
                                    num_actual_tokens: jax.Array | int | None = None,
                                    ) -> FlashMLASparseMetadata:
   """Builds the metadata of one step (vLLM ``FlashMLASparseMetadataBuilder.build``).
+
+  Built once a step and shared by every layer; :class:`FlashMLASparse` shows a step.
 
   Args:
     query_start_loc: int32 ``[R + 1]``.
@@ -178,3 +182,52 @@ def flashmla_sparse_forward(q: jax.Array, k_c_normed: jax.Array, k_pe: jax.Array
   out = jnp.einsum("thl,hlv->thv", attn.astype(q.dtype), w_uv.astype(q.dtype))
   out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
   return out.reshape(T, H * config.v_head_dim), kv_cache
+
+
+class FlashMLASparse:
+  """DeepSeek V3.2 sparse MLA layer (vLLM's ``FLASHMLA_SPARSE`` backend), functional.
+
+  Per step, :attr:`build_metadata` turns the batch layout (request offsets, block
+  table, cache slot of each new token) into a :class:`FlashMLASparseMetadata`
+  pytree; per layer, :attr:`forward` writes the new latents into the cache, runs
+  sparse attention over each token's top-k and returns ``(output, kv_cache)``.
+  Shapes (``T`` tokens, ``H`` heads, V3.2 dims): ``q [T, H, 128 + 64]``,
+  ``k_c_normed [T, 512]``, ``k_pe [T, 64]``, ``kv_cache [blocks, block_size, 576]``
+  bf16 (``"auto"``) or ``[blocks, block_size, 656]`` uint8 (``"fp8_ds_mla"``),
+  ``topk_indices`` int32 ``[T, topk]`` request-local positions (``-1`` = none),
+  ``w_uk_t [H, 128, 512]``, ``w_uv [H, 512, 128]``; output ``[T, H * 128]``.
+
+  Example (2 requests: 2 new tokens at positions 0-1, and 1 at position 0; the
+  reference runs anywhere, drop ``implementation`` to use the GPU kernels):
+
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jax_mla.backends import FlashMLASparse
+
+    >>> H, T, block_size = 4, 3, 64
+    >>> config = FlashMLASparse.Config(num_heads=H, scale=192 ** -0.5)
+    >>> metadata = FlashMLASparse.build_metadata(
+    ...     jnp.array([0, 2, 3], jnp.int32),         # query_start_loc [R + 1]
+    ...     jnp.array([[1, 0], [3, 2]], jnp.int32),  # block_table [R, blocks per request]
+    ...     jnp.array([64, 65, 192], jnp.int32),     # slot_mapping [T]: block * 64 + offset
+    ...     num_tokens=T, block_size=block_size)
+    >>> x = lambda seed, shape: jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+    >>> out, kv_cache = FlashMLASparse.forward(
+    ...     x(0, (T, H, 192)), x(1, (T, 512)), x(2, (T, 64)),   # q, k_c_normed, k_pe
+    ...     jnp.zeros((4, block_size, 576), jnp.bfloat16),     # kv_cache (donated)
+    ...     jnp.array([[0, -1], [0, 1], [0, -1]], jnp.int32),  # topk_indices [T, 2]
+    ...     x(3, (H, 128, 512)), x(4, (H, 512, 128)),          # w_uk_t, w_uv
+    ...     metadata, config=config, implementation="xla")
+    >>> assert out.shape == (T, H * 128) and kv_cache.shape == (4, block_size, 576)
+  """
+  Config = FlashMLASparseConfig
+  Metadata = FlashMLASparseMetadata
+  build_metadata = staticmethod(build_flashmla_sparse_metadata)
+  forward = staticmethod(flashmla_sparse_forward)
+  kv_cache_dtypes = KV_CACHE_DTYPES
+
+
+# Heads split over devices with their weights; the cache and metadata replicated.
+flashmla_sparse_forward.sharding = OpSharding(
+    heads=dict(q=1, w_uk_t=0, w_uv=0), head_outs=(1, None), num_heads=config_heads,
+    set_heads=set_config_heads, shared=("w_uk_t", "w_uv", "k_scale"))

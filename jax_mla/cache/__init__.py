@@ -1,35 +1,38 @@
 """Paged MLA KV caches: formats, quantization, per-slot reads and the cache writer.
 
-See :mod:`jax_mla.cache.formats` for the byte layouts of ``"auto"``, ``"fp8"``,
-``"fp8_ds_mla"`` (DeepSeek V3.2) and ``"fp8_model1"`` (DeepSeek V4).
+Each format is one module holding its byte layout and codec (:mod:`.auto`,
+:mod:`.fp8`, :mod:`.ds_mla` for DeepSeek V3.2's ``"fp8_ds_mla"``, :mod:`.model1` for
+DeepSeek V4's ``"fp8_model1"``); :mod:`.formats` is the registry that resolves a
+``kv_cache_dtype`` string into that layout object.
 """
 
+from jax_mla.cache.api import concat_and_cache_mla
+from jax_mla.cache.ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from jax_mla.cache.formats import (
-    KV_CACHE_DTYPES,
-    dequantize_fp8_ds_mla,
-    dequantize_fp8_model1,
-    dequantize_fp8_model1_cache,
-    gather_dequantize,
-    kv_cache_shape,
-    kv_cache_storage_dtype,
-    model1_block_bytes,
-    quantize_fp8_ds_mla,
-    quantize_fp8_model1,
-    quantize_fp8_model1_cache,
+  KV_CACHE_DTYPES,
+  gather_dequantize,
+  kv_cache_shape,
+  kv_cache_storage_dtype,
 )
-from jax_mla.cache.write import concat_and_cache_mla
+from jax_mla.cache.model1 import (
+  dequantize_fp8_model1,
+  dequantize_fp8_model1_cache,
+  model1_block_bytes,
+  quantize_fp8_model1,
+  quantize_fp8_model1_cache,
+)
 
 __all__ = [
-    "KV_CACHE_DTYPES",
-    "concat_and_cache_mla",
-    "dequantize_fp8_ds_mla",
-    "dequantize_fp8_model1",
-    "dequantize_fp8_model1_cache",
-    "gather_dequantize",
-    "kv_cache_shape",
-    "kv_cache_storage_dtype",
-    "model1_block_bytes",
-    "quantize_fp8_ds_mla",
-    "quantize_fp8_model1",
-    "quantize_fp8_model1_cache",
+  "KV_CACHE_DTYPES",
+  "concat_and_cache_mla",
+  "dequantize_fp8_ds_mla",
+  "dequantize_fp8_model1",
+  "dequantize_fp8_model1_cache",
+  "gather_dequantize",
+  "kv_cache_shape",
+  "kv_cache_storage_dtype",
+  "model1_block_bytes",
+  "quantize_fp8_ds_mla",
+  "quantize_fp8_model1",
+  "quantize_fp8_model1_cache",
 ]

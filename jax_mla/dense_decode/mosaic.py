@@ -29,11 +29,12 @@ tensor-core work; sharing ``P`` through SMEM (FlashMLA) is the next step.
 
 Shapes: ``s_q * h_q`` must be a multiple of 64 (and ``h_q`` a multiple of 64
 when ``causal`` and ``s_q > 1``), the cache block size 64, everything bf16.
-Other shapes belong to the Triton kernel (``implementation="pallas"``).
+Other shapes belong to the Triton kernel (``implementation="triton"``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,8 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import LN2, LOG2E, cdiv
-from jax_mla.dense_decode.pallas import D_NOPE, D_QK, D_ROPE, combine_splits, num_sms
+from jax_mla._common import D_NOPE, D_QK, D_ROPE, LN2, LOG2E, cdiv, num_sms
+from jax_mla.merge import combine_splits
 
 BLOCK_M = 64  # query rows per CTA: one wgmma M
 PAGE = 64  # keys per pipeline step: one cache block
@@ -51,8 +52,33 @@ HALF = D_NOPE // 2  # output columns per consumer warpgroup (wgmma N <= 256)
 NUM_STAGES = 2  # 72 KiB query + 2 x 72 KiB key stages fill the 227 KiB of SMEM
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Mosaic GPU decode kernel (static; changes no result beyond rounding).
+
+  Attributes:
+    num_splits: KV splits per row tile; ``None`` picks :func:`default_num_splits`.
+    consumer_registers, producer_registers: per-thread registers of each consumer
+      warpgroup and of the producer (``setmaxnreg``: multiples of 8, and
+      ``2 * consumer + producer <= 512`` so three warpgroups fit the register file).
+      The consumers hold a 64 x 256 float32 accumulator each.
+  """
+  num_splits: int | None = None
+  consumer_registers: int = 232
+  producer_registers: int = 40
+
+  def __post_init__(self):
+    if self.num_splits is not None and (not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise ValueError(f"Config.num_splits must be None or an int >= 1; got {self.num_splits!r}")
+    c, p = self.consumer_registers, self.producer_registers
+    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p > 512:
+      raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
+                       f"consumer <= 256 and 2 * consumer + producer <= 512; got {c}, {p}")
+
+
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, smem, barriers, *,
-                   plgpu, batch, s_q, h_q, num_blocks, num_splits, causal, scale):
+                   plgpu, batch, s_q, h_q, num_blocks, num_splits, causal, scale, registers):
   q_nope, q_rope, kv_nope, kv_rope, lse_smem = smem
   q_bar, kv_bar, free_bar, done_bar = barriers
   bi = lax.axis_index("b")
@@ -73,7 +99,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(registers[0], action="increase")
     row = _mosaic.row_layout(plgpu)
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, PAGE), 1, layout=plgpu.Layout.WGMMA)
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF), jnp.float32), plgpu.Layout.WGMMA)
@@ -127,7 +153,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(registers[1], action="decrease")
     rows = pl.ds(r0, BLOCK_M)
     for h in range(2):
       plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_nope.at[h], q_bar)
@@ -195,20 +221,29 @@ def check_supported(q, kv_cache, *, causal):
     why = f"h_q a multiple of {BLOCK_M} with causal and s_q > 1 (got h_q={h_q})"
   if why:
     raise ValueError(f"the Mosaic GPU dense-decode kernel needs {why}; use "
-                     "implementation='pallas' (Triton) for this shape")
+                     "implementation='triton' for this shape")
 
 
-def default_for(q, kv_cache, *, causal) -> bool:
-  """Whether ``implementation=None`` runs this kernel: Hopper and a supported shape."""
-  return _mosaic.default_for(check_supported, q, kv_cache, causal=causal)
+def with_defaults(config: Config | None, *, num_kv_splits: int | None, batch: int, s_q: int,
+                  h_q: int, max_blocks: int) -> Config:
+  """``config`` (``None``: the defaults) with ``num_splits`` set: the op's
+  ``num_kv_splits`` when given, else the config's, else :func:`default_num_splits`."""
+  config = config or Config()
+  if num_kv_splits is not None:
+    return dataclasses.replace(config, num_splits=num_kv_splits)
+  if config.num_splits is not None:
+    return config
+  return dataclasses.replace(config, num_splits=default_num_splits(
+      batch * s_q * h_q // BLOCK_M, max_blocks))
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("sm_scale", "causal", "num_splits"))
-def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, num_splits):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config"))
+def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, config: Config):
   """Runs the kernel; inputs validated by :func:`jax_mla.dense_decode.mla_decode_paged`
-  and :func:`check_supported`. Same results as that function."""
+  and :func:`check_supported`, ``config.num_splits`` set. Returns token-major
+  ``(out [b, s_q, h_q, 512] bf16, lse f32[b, s_q, h_q])``."""
   plgpu = _mosaic.plgpu()
+  num_splits = config.num_splits
   b, s_q, h_q, _ = q.shape
   num_blocks, max_blocks = kv_cache.shape[0], block_table.shape[1]
   rows = b * s_q * h_q
@@ -232,7 +267,8 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, n
   )
   kernel = functools.partial(
       _decode_kernel, plgpu=plgpu, batch=b, s_q=s_q, h_q=h_q, num_blocks=num_blocks,
-      num_splits=num_splits, causal=causal, scale=sm_scale * LOG2E)
+      num_splits=num_splits, causal=causal, scale=sm_scale * LOG2E,
+      registers=(config.consumer_registers, config.producer_registers))
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
@@ -251,5 +287,4 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, n
     out, lse = out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
   else:  # bf16 partials (they are staged in the query's SMEM), float32 merge
     out, lse = combine_splits(out, lse, jnp.bfloat16)
-  return (out.reshape(b, s_q, h_q, D_NOPE),
-          lse.reshape(b, s_q, h_q).transpose(0, 2, 1))
+  return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q)

@@ -11,8 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-D_NOPE = 512
-D_QK = 576
+from jax_mla._common import D_NOPE, D_QK
+from jax_mla.dense_decode.metadata import (
+  aiter_seq_lens,
+  causal_num_keys,
+  ragged_token_layout,
+  update_kv_cache,
+)
+from jax_mla.indexing.metadata import token_requests
 
 
 def attend_token_pages(q, kv_cache, token_pages, token_num_keys, *, sm_scale, q_scale=None,
@@ -53,31 +59,6 @@ def attend_token_pages(q, kv_cache, token_pages, token_num_keys, *, sm_scale, q_
   return out.astype(out_dtype), jnp.where(empty, jnp.inf, lse)
 
 
-def aiter_seq_lens(kv_indptr, kv_last_page_lens, page_size):
-  """Keys per request in AITER's page-level ``kv_indptr`` convention."""
-  num_pages = kv_indptr[1:] - kv_indptr[:-1]
-  if page_size == 1:  # AITER ignores last-page lengths for a flat cache
-    return jnp.maximum(num_pages, 0)
-  return jnp.clip((num_pages - 1) * page_size + kv_last_page_lens, 0, num_pages * page_size)
-
-
-def token_requests(cu_q, num_tokens):
-  """Request id of each token for ``cu_q`` offsets ``[R+1]``, and whether it has one."""
-  t = jnp.arange(num_tokens, dtype=jnp.int32)
-  req = jnp.searchsorted(cu_q[1:], t, side="right").astype(jnp.int32)
-  ok = (t >= cu_q[0]) & (t < cu_q[-1])
-  num_req = cu_q.shape[0] - 1
-  req = jnp.where(ok, jnp.minimum(req, num_req - 1), 0)
-  return req, ok
-
-
-def causal_num_keys(seq_len, q_len, q_idx, causal):
-  """Keys visible to query ``q_idx`` of ``q_len`` (bottom-right causal alignment)."""
-  if not causal:
-    return seq_len
-  return jnp.clip(seq_len - (q_len - 1 - q_idx), 0, seq_len)
-
-
 def mla_decode_reference(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, *,
                          sm_scale, causal=True, q_scale=None, kv_scale=None):
   """Reference for :func:`jax_mla.dense_decode` (AITER ``mla_decode_fwd``)."""
@@ -101,7 +82,8 @@ def mla_decode_reference(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_
 
 def mla_decode_paged_reference(q, kv_cache, block_table, cache_seqlens, *, sm_scale,
                                causal=False):
-  """Reference for :func:`jax_mla.mla_decode_paged` (FlashMLA dense decode)."""
+  """Reference for :func:`jax_mla.mla_decode_paged` (FlashMLA dense decode), token-major:
+  ``(out [b, s_q, h_q, 512], lse f32[b, s_q, h_q])``."""
   b, s_q, h_q, _ = q.shape
   max_keys = block_table.shape[1] * kv_cache.shape[1]
   seq = jnp.minimum(cache_seqlens, max_keys)
@@ -110,44 +92,7 @@ def mla_decode_paged_reference(q, kv_cache, block_table, cache_seqlens, *, sm_sc
   out, lse = attend_token_pages(q.reshape(b * s_q, h_q, -1), kv_cache,
                                 jnp.repeat(block_table, s_q, axis=0), n_keys,
                                 sm_scale=sm_scale, out_dtype=q.dtype)
-  return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)
-
-
-def ragged_token_layout(cu_q_lens, distribution, num_tokens):
-  """Per token: sequence id, whether it is live, and its index within its sequence.
-
-  Sequences ``>= distribution[2]`` are unused; tokens past their queries are padding.
-  """
-  num_seqs = distribution[2]
-  idx = jnp.arange(cu_q_lens.shape[0], dtype=jnp.int32)
-  cu = jnp.where(idx <= num_seqs, cu_q_lens, cu_q_lens[num_seqs])  # monotone past num_seqs
-  seq, ok = token_requests(cu, num_tokens)
-  q_idx = jnp.arange(num_tokens, dtype=jnp.int32) - cu[seq]
-  return seq, ok, q_idx, cu
-
-
-def update_kv_cache(new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices, cu_q_lens,
-                    distribution):
-  """Writes each live token's latent into its slot (tpu-inference ``update_kv_cache``).
-
-  Token ``j`` of sequence ``i`` (``q_len`` new tokens) is key position
-  ``kv_lens[i] - q_len + j``, in page ``page_indices[i*pages_per_seq + pos//page_size]``.
-  Padding tokens and out-of-range pages are dropped.
-  """
-  num_pages, page_size, _ = cache_kv.shape
-  num_tokens = new_kv_c.shape[0]
-  pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
-  seq, ok, q_idx, cu = ragged_token_layout(cu_q_lens, distribution, num_tokens)
-  q_len = (cu[1:] - cu[:-1])[seq]
-  pos = kv_lens[seq] - q_len + q_idx
-  blk = pos // page_size
-  ok &= (pos >= 0) & (blk < pages_per_seq)
-  page = page_indices[jnp.where(ok, seq * pages_per_seq + blk, 0)]
-  ok &= (page >= 0) & (page < num_pages)
-  slot = jnp.where(ok, page * page_size + pos % page_size, num_pages * page_size)
-  new = jnp.concatenate([new_kv_c, new_k_pe], axis=-1).astype(cache_kv.dtype)
-  flat = cache_kv.reshape(num_pages * page_size, D_QK).at[slot].set(new, mode="drop")
-  return flat.reshape(cache_kv.shape)
+  return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q)
 
 
 def mla_ragged_paged_attention_reference(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens,

@@ -1,5 +1,5 @@
 """Dense MLA prefill: varlen MHA with q/k head 192 and v head 128 (flash_attn_varlen_func)."""
 
-from jax_mla.dense_prefill.api import mla_prefill
+from jax_mla.dense_prefill.api import mla_prefill, mla_prefill_token_major
 
-__all__ = ["mla_prefill"]
+__all__ = ["mla_prefill", "mla_prefill_token_major"]

@@ -1,4 +1,10 @@
-"""Public entry point: varlen MHA prefill with different q/k and v head sizes."""
+"""Public entry points: varlen MHA prefill with different q/k and v head sizes.
+
+Inside, LSE is token-major ``[Tq, H]``; :func:`mla_prefill` returns flash-attn's
+``[H, Tq]`` (the upstream layout), :func:`mla_prefill_token_major` the internal one
+(for callers that merge by :func:`jax_mla.merge.merge_attn_states`, which takes
+``out.shape[:-1]``).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,15 @@ import jax.numpy as jnp
 
 from jax_mla._common import (
   Implementation,
+  as_int32,
+  check_config,
   check_dtype,
-  check_int32,
   check_rank,
   check_shape,
+  check_static,
   resolve_implementation,
 )
-from jax_mla.dense_prefill.kernel import mla_prefill_pallas, split_head_dim
+from jax_mla.dense_prefill import triton
 from jax_mla.dense_prefill.reference import mla_prefill_reference
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -25,7 +33,8 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, max_seqlen_q: int, max_seqlen_k: int,
                 sm_scale: float | None, causal: bool = True, return_lse: bool = False,
-                implementation: Implementation = None, interpret: bool = False):
+                config: triton.Config | None = None, implementation: Implementation = None,
+                interpret: bool = False):
   """Varlen multi-head attention whose q/k head size differs from v's (MLA prefill).
 
   The ``flash_attn_varlen_func`` semantics vLLM's MLA backends rely on
@@ -38,26 +47,52 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       DeepSeek (128 NoPE + 64 RoPE).
     k: ``[Tk, H, d_qk]`` packed keys, same dtype.
     v: ``[Tk, H, d_v]`` packed values (``d_v`` 128 for DeepSeek).
-    cu_seqlens_q: int32 ``[B + 1]`` query offsets of each sequence (non-decreasing).
-    cu_seqlens_k: int32 ``[B + 1]`` key offsets; ``Tq`` and ``Tk`` may differ.
+    cu_seqlens_q: ``[B + 1]`` integer query offsets of each sequence (non-decreasing;
+      any integer dtype, cast to int32).
+    cu_seqlens_k: ``[B + 1]`` integer key offsets; ``Tq`` and ``Tk`` may differ.
     max_seqlen_q: static, at least the longest query length (as in flash-attn).
     max_seqlen_k: static, at least the longest key length.
-    sm_scale: softmax scale; ``None`` means ``1 / sqrt(d_qk)``.
+    sm_scale: static softmax scale (a Python number); ``None`` means ``1 / sqrt(d_qk)``.
     causal: bottom-right aligned causal mask (flash-attn >= 2.1): query ``i`` of a
       sequence sees key ``j`` iff ``j <= i + len_k - len_q``.
     return_lse: also return the softmax LSE.
-    implementation: ``None`` (Pallas on GPU), ``"pallas"`` or ``"xla"`` (reference).
-    interpret: run the Pallas kernel in the interpreter (CPU tests).
+    config: ``None`` (the tuned defaults) or a :class:`jax_mla.dense_prefill.triton.Config`.
+    implementation: ``None`` (Triton on GPU), ``"triton"`` (old name ``"pallas"``) or
+      ``"xla"`` (the reference).
+    interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
     ``out[Tq, H, d_v]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``:
     ``lse`` float32 natural log, shape ``[H, Tq]`` (flash-attn's layout, the one
-    vLLM's ``merge_attn_states`` consumes; transpose it for
-    ``jax_mla.merge.merge_attn_states``, which takes ``out.shape[:-1]``). A query
-    with no visible key (empty key range, or ``len_q > len_k`` under the causal
-    mask) and any token at or past ``cu_seqlens_q[-1]`` get ``out = 0`` and
+    vLLM's ``merge_attn_states`` consumes; :func:`mla_prefill_token_major` gives
+    ``[Tq, H]`` for ``jax_mla.merge.merge_attn_states``, which takes ``out.shape[:-1]``).
+    A query with no visible key (empty key range, or ``len_q > len_k`` under the
+    causal mask) and any token at or past ``cu_seqlens_q[-1]`` get ``out = 0`` and
     ``lse = +inf``.
   """
+  args, static = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal,
+                           config=config, implementation=implementation, interpret=interpret)
+  out, lse = _mla_prefill(*args, **static, head_major_lse=True)
+  return (out, lse) if return_lse else out
+
+
+def mla_prefill_token_major(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
+                            cu_seqlens_k: jax.Array, *, max_seqlen_q: int, max_seqlen_k: int,
+                            sm_scale: float | None, causal: bool = True,
+                            config: triton.Config | None = None,
+                            implementation: Implementation = None, interpret: bool = False):
+  """:func:`mla_prefill` with ``return_lse=True`` and the LSE token-major:
+  ``(out [Tq, H, d_v], lse f32[Tq, H])``, ready for ``jax_mla.merge.merge_attn_states``."""
+  args, static = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal,
+                           config=config, implementation=implementation, interpret=interpret)
+  return _mla_prefill(*args, **static, head_major_lse=False)
+
+
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, sm_scale,
+              causal, config, implementation, interpret):
+  """Checks the arguments; returns the jitted function's ``(arrays, static kwargs)``."""
   check_rank("q", q, 3)
   check_rank("k", k, 3)
   check_rank("v", v, 3)
@@ -67,34 +102,44 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   num_heads, d_qk = q.shape[1], q.shape[2]
   check_shape("k", k, (None, num_heads, d_qk))
   check_shape("v", v, (k.shape[0], num_heads, None))
+  cu_seqlens_q = as_int32("cu_seqlens_q", cu_seqlens_q)
+  cu_seqlens_k = as_int32("cu_seqlens_k", cu_seqlens_k)
   check_rank("cu_seqlens_q", cu_seqlens_q, 1)
-  check_int32("cu_seqlens_q", cu_seqlens_q)
-  check_int32("cu_seqlens_k", cu_seqlens_k)
   if cu_seqlens_q.shape[0] < 2:
     raise ValueError(f"cu_seqlens_q must have shape [B + 1] with B >= 1; got {cu_seqlens_q.shape}")
   check_shape("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape)
   for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
     if not isinstance(value, int) or value < 0:
       raise ValueError(f"{name} must be a static int >= 0; got {value!r}")
+  if sm_scale is not None:
+    check_static("sm_scale", sm_scale, (int, float))
   impl = resolve_implementation(implementation, interpret)
   if impl == "triton":
-    split_head_dim(d_qk)
+    triton.split_head_dim(d_qk)
     d_v = v.shape[2]
     if d_v < 16 or d_v & (d_v - 1):
-      raise ValueError(f"the Pallas kernel needs a power-of-two v head size >= 16; got {d_v}")
+      raise ValueError(f"the Triton kernel needs a power-of-two v head size >= 16; got {d_v}")
+    config = check_config(config, triton.Config, impl) or triton.Config()
+  else:
+    if config is not None:
+      check_config(config, triton.Config, impl)  # no tuning in the reference: unused
+    config = None
   scale = 1.0 / math.sqrt(d_qk) if sm_scale is None else float(sm_scale)
-  out, lse = _mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                          max_seqlen_k=max_seqlen_k, sm_scale=scale, causal=bool(causal),
-                          impl=impl, interpret=interpret)
-  return (out, lse) if return_lse else out
+  return (q, k, v, cu_seqlens_q, cu_seqlens_k), dict(
+      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sm_scale=scale, causal=bool(causal),
+      config=config, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("max_seqlen_q", "max_seqlen_k", "sm_scale", "causal",
-                                             "impl", "interpret"))
+                                             "config", "interpret", "head_major_lse"))
 def _mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, sm_scale,
-                 causal, impl, interpret):
-  if impl == "xla":
-    return mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                 max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal)
-  return mla_prefill_pallas(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            sm_scale=sm_scale, causal=causal, interpret=interpret)
+                 causal, config, interpret, head_major_lse):
+  if config is None:
+    out, lse = mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     sm_scale=sm_scale, causal=causal)
+  else:
+    out, lse = triton.mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
+                                         causal=causal, config=config, interpret=interpret)
+  return out, (lse.T if head_major_lse else lse)

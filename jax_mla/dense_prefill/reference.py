@@ -23,12 +23,12 @@ def _pad_sequences(x, cu_seqlens, max_seqlen):
 
 def mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
                           sm_scale, causal):
-  """Returns ``(out[Tq, H, d_v] in q.dtype, lse f32[H, Tq])``; see ``jax_mla.dense_prefill``."""
+  """Returns ``(out[Tq, H, d_v] in q.dtype, lse f32[Tq, H])``; see ``jax_mla.dense_prefill``."""
   num_tokens = q.shape[0]
   num_heads, d_v = v.shape[1], v.shape[2]
   if num_tokens == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
     return (jnp.zeros((num_tokens, num_heads, d_v), q.dtype),
-            jnp.full((num_heads, num_tokens), jnp.inf, jnp.float32))
+            jnp.full((num_tokens, num_heads), jnp.inf, jnp.float32))
   qp, q_idx, q_valid, len_q = _pad_sequences(q, cu_seqlens_q, max_seqlen_q)
   kp, _, k_valid, len_k = _pad_sequences(k, cu_seqlens_k, max_seqlen_k)
   vp, _, _, _ = _pad_sequences(v, cu_seqlens_k, max_seqlen_k)
@@ -57,5 +57,5 @@ def mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
   out = jnp.zeros((num_tokens, num_heads, d_v), jnp.float32).at[dst].set(o, mode="drop")
   lse_t = jnp.full((num_tokens, num_heads), jnp.inf, jnp.float32).at[dst].set(
       jnp.transpose(lse, (0, 2, 1)), mode="drop")
-  return out.astype(q.dtype), lse_t.T
+  return out.astype(q.dtype), lse_t
 

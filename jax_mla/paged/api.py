@@ -1,4 +1,8 @@
-"""Public entry point: ``paged_attention`` (vLLM ``kernel_paged_attention_2d`` semantics)."""
+"""Public entry point: ``paged_attention`` (vLLM ``kernel_paged_attention_2d`` semantics).
+
+vLLM's argument names (``scale``, ``sinks``, ``block_tables``) stop here; inside they
+are ``sm_scale``, ``attn_sink`` and ``block_table`` as in every other op.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ import jax.numpy as jnp
 
 from jax_mla._common import (
     Implementation,
+    as_int32,
+    check_config,
     check_dtype,
-    check_int32,
     check_rank,
     check_shape,
+    check_values,
     resolve_implementation,
 )
-from jax_mla.paged.pallas import paged_attention_pallas
-from jax_mla.paged.reference import key_view, paged_attention_xla, value_view
+from jax_mla.indexing.metadata import block_table_checks
+from jax_mla.paged import triton
+from jax_mla.paged.layout import key_view, value_view
+from jax_mla.paged.reference import paged_attention_xla
 
 _QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -48,26 +56,21 @@ def _check_scalar(name, x):
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("sliding_window", "physical_block_size", "implementation", "interpret",
-                     "num_kv_splits", "has_out_scale"))
-def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
-                     v_scale, sinks, alibi_slopes, query_start_loc, out_scale, *,
-                     sliding_window, physical_block_size, implementation, interpret,
-                     num_kv_splits, has_out_scale):
-  del physical_block_size  # validated against the cache; the views carry it
-  t, hq, head_dim = query.shape
+    jax.jit, static_argnames=("sliding_window", "config", "interpret", "has_out_scale"))
+def _paged_attention(query, key_cache, value_cache, block_table, seq_lens, sm_scale, k_scale,
+                     v_scale, attn_sink, alibi_slopes, query_start_loc, out_scale, *,
+                     sliding_window, config, interpret, has_out_scale):
+  head_dim = query.shape[2]
   kv = key_view(key_cache)
-  nb, hkv, _, block_size, _ = kv.data.shape
+  block_size = kv.data.shape[3]
   vv = value_view(value_cache, _value_is_dim_major(key_cache, value_cache, head_dim, block_size))
-  kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+  kwargs = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, attn_sink=attn_sink,
                 alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                 query_start_loc=query_start_loc, out_scale=out_scale if has_out_scale else None)
-  if implementation == "xla":
-    return paged_attention_xla(query, kv, vv, block_tables, seq_lens,
-                               physical_block_size=block_size, **kwargs)
-  return paged_attention_pallas(query, kv, vv, block_tables, seq_lens,
-                                num_kv_splits=num_kv_splits, interpret=interpret, **kwargs)
+  if config is None:
+    return paged_attention_xla(query, kv, vv, block_table, seq_lens, **kwargs)
+  return triton.paged_attention_triton(query, kv, vv, block_table, seq_lens, config=config,
+                                       interpret=interpret, **kwargs)
 
 
 def paged_attention(
@@ -87,6 +90,8 @@ def paged_attention(
     out_scale: float | jax.Array | None = None,
     physical_block_size: int | None = None,
     num_kv_splits: int | None = None,
+    config: triton.Config | None = None,
+    checks: bool = False,
     implementation: Implementation = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -100,10 +105,11 @@ def paged_attention(
     value_cache: ``[nb, Hkv, D, bs]`` (vLLM) or ``[nb, Hkv, bs, D]``, same dtype as
       the key cache. The layout is read from the shape; when ``D == bs`` a 5-D key
       cache means ``[nb, Hkv, D, bs]`` and a 4-D one ``[nb, Hkv, bs, D]``.
-    block_tables: int32 ``[S, max_blocks]``: physical block of each logical block.
-      Ids outside ``[0, nb)`` are masked (never read).
-    seq_lens: int32 ``[S]``: keys ``0 .. seq_len - 1`` are attended; slots at or
-      past ``seq_len`` are never read (they may hold NaN).
+    block_tables: ``[S, max_blocks]`` integer (any integer dtype, cast to int32):
+      physical block of each logical block. Ids outside ``[0, nb)`` are masked (never
+      read).
+    seq_lens: ``[S]`` integer: keys ``0 .. seq_len - 1`` are attended; slots at or
+      past ``seq_len`` are never read (they may hold NaN). Negative lengths count as 0.
     scale: softmax scale applied to ``q . k`` (float or float32 scalar).
     k_scale, v_scale: per-tensor dequantisation scales of fp8 caches (scalars).
     sinks: optional ``[Hq]`` attention-sink logits: ``exp(sink)`` joins the softmax
@@ -112,7 +118,7 @@ def paged_attention(
     sliding_window: static; if > 0 only keys with ``seq_len - 1 - pos < window``.
       (The seed gives keys outside the window the score -10000; here they are
       excluded, the same result unless every in-window score is below -10000.)
-    query_start_loc: optional int32 ``[S + 1]`` token offsets of a mixed batch.
+    query_start_loc: optional integer ``[S + 1]`` token offsets of a mixed batch.
       Only sequences with exactly one query token are computed (at row
       ``query_start_loc[s]``); rows of other sequences (prefill) and rows that
       belong to no sequence are returned as 0 (the seed leaves them untouched).
@@ -120,10 +126,15 @@ def paged_attention(
     physical_block_size: static; tokens per cache block. Defaults to the cache's
       block dimension and must equal it when given (vLLM passes it for blocks
       such as 544 that are not a power of two; any size works here).
-    num_kv_splits: static; programs per (sequence, kv head) along the sequence.
-      ``None`` picks enough to fill the GPU.
-    implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
-    interpret: run the Pallas kernel in the interpreter (CPU tests).
+    num_kv_splits: static; programs per (sequence, kv head) along the sequence
+      (replaces ``config.num_splits`` when given). ``None`` picks enough to fill the GPU.
+    config: ``None`` (the heuristic) or a :class:`jax_mla.paged.triton.Config`.
+    checks: also check values (eager raise; under ``jax.jit`` wrap the call in
+      ``checkify.checkify``): ``0 <= seq_lens <= max_blocks * block_size`` and the
+      block ids each sequence uses inside ``[0, nb)``.
+    implementation: ``None`` (Triton on GPU, the reference elsewhere), ``"triton"``
+      (old name ``"pallas"``) or ``"xla"``.
+    interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
     ``[T, Hq, D]`` in the query dtype, or ``float8_e4m3fn`` with ``out_scale``.
@@ -150,17 +161,17 @@ def paged_attention(
   _value_is_dim_major(key_cache, value_cache, head_dim, block_size)
   if hkv == 0 or hq % hkv:
     raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+  block_tables = as_int32("block_tables", block_tables)
   check_rank("block_tables", block_tables, 2)
-  check_int32("block_tables", block_tables)
   num_seqs = block_tables.shape[0]
-  check_int32("seq_lens", seq_lens)
+  seq_lens = as_int32("seq_lens", seq_lens)
   check_shape("seq_lens", seq_lens, (num_seqs,))
   if query_start_loc is None:
     if t != num_seqs:
       raise ValueError(f"without query_start_loc, query must have one row per sequence "
                        f"({num_seqs}); got {t}")
   else:
-    check_int32("query_start_loc", query_start_loc)
+    query_start_loc = as_int32("query_start_loc", query_start_loc)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
   for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
     if x is not None:
@@ -177,9 +188,21 @@ def paged_attention(
                      f"got {physical_block_size}")
   if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
     raise ValueError(f"num_kv_splits must be an int >= 1; got {num_kv_splits!r}")
+  if checks:
+    check_values(True, *block_table_checks(block_tables, seq_lens, block_size=block_size,
+                                           num_blocks=nb, table_name="block_tables"))
+  if impl == "xla":
+    if config is not None:
+      check_config(config, triton.Config, impl)  # no tuning in the reference: unused
+    config = None
+  else:
+    config = triton.with_defaults(
+        check_config(config, triton.Config, impl), num_kv_splits=num_kv_splits,
+        fp8_cache=jnp.dtype(key_cache.dtype).itemsize == 1, head_dim=head_dim,
+        num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=block_tables.shape[1] * block_size,
+        interpret=interpret)
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,
-      sliding_window=sliding_window, physical_block_size=physical_block_size,
-      implementation=impl, interpret=interpret, num_kv_splits=num_kv_splits,
+      sliding_window=sliding_window, config=config, interpret=interpret,
       has_out_scale=out_scale is not None)

@@ -1,4 +1,11 @@
-"""Public entry points: sparse MLA prefill and decode (FlashMLA semantics)."""
+"""Public entry points: sparse MLA prefill and decode (FlashMLA semantics).
+
+Each op validates its arguments (errors name them), resolves the implementation,
+its ``Config`` and the cache format once, then calls a private jitted function
+that runs the Triton kernel (:mod:`.triton`), the Mosaic GPU kernel
+(:mod:`.mosaic`) or the reference (:mod:`.reference`). Internally LSE is
+token-major ``[T, h_q]``; FlashMLA's decode layout ``lse[b, h_q, s_q]`` is made here.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +15,28 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla._common import (
+  D_QK,
+  D_QK_V4,
+  D_V,
   Implementation,
+  as_int32,
+  check_config,
   check_dtype,
-  check_int32,
   check_one_of,
   check_rank,
   check_shape,
+  check_static,
+  check_values,
   resolve_implementation,
 )
-from jax_mla.cache.formats import check_cache, latent_size
-from jax_mla.sparse_mla import mosaic
-from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
-from jax_mla.sparse_mla.prefill_pallas import sparse_mla_prefill_pallas
-from jax_mla.sparse_mla.reference import sparse_mla_decode_reference, sparse_mla_prefill_reference
+from jax_mla.cache.auto import AUTO
+from jax_mla.cache.formats import check_cache, resolve
+from jax_mla.cache.layout import Format
+from jax_mla.sparse_mla import mosaic, reference, triton
+from jax_mla.sparse_mla.layout import token_lengths
 
-D_QKS = (576, 512)
-D_V = 512
+D_QKS = (D_QK, D_QK_V4)
 DECODE_CACHE_DTYPES = ("fp8_ds_mla", "fp8_model1", "auto")
-_DECODE_D_QK = {"fp8_ds_mla": 576, "fp8_model1": 512}
 
 
 def _check_d_v(d_v) -> None:
@@ -39,17 +50,12 @@ def _check_sink(attn_sink, h_q: int) -> None:
     check_shape("attn_sink", attn_sink, (h_q,))
 
 
-def _check_lengths(name: str, lengths, size: int) -> None:
-  if lengths is not None:
-    check_int32(name, lengths)
-    check_shape(name, lengths, (size,))
-
-
-def _check_decode_indices(name: str, indices, b: int, s_q: int) -> None:
-  check_rank(name, indices, 3)
-  check_int32(name, indices)
-  check_shape(name, indices, (b, s_q, None))
-  _check_topk(name, indices)
+def _lengths(name: str, lengths, size: int):
+  if lengths is None:
+    return None
+  lengths = as_int32(name, lengths)
+  check_shape(name, lengths, (size,))
+  return lengths
 
 
 def _check_topk(name: str, indices) -> None:
@@ -57,69 +63,24 @@ def _check_topk(name: str, indices) -> None:
     raise ValueError(f"{name} must have topk >= 1; got shape {list(indices.shape)}")
 
 
-def _check_scale(sm_scale) -> float:
-  if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
-    raise TypeError(f"sm_scale must be a Python float (static); got {type(sm_scale).__name__}")
+def _decode_indices(name: str, indices, b: int, s_q: int):
+  check_rank(name, indices, 3)
+  indices = as_int32(name, indices)
+  check_shape(name, indices, (b, s_q, None))
+  _check_topk(name, indices)
+  return indices
+
+
+def _check_length_values(checks: bool, name: str, lengths, topk: int) -> None:
+  if lengths is not None:
+    check_values(checks, ((lengths >= 0) & (lengths <= topk),
+                          f"{name} must be in [0, topk = {topk}]; got min {{lo}}, max {{hi}}",
+                          dict(lo=jnp.min(lengths), hi=jnp.max(lengths))))
+
+
+def _sm_scale(sm_scale) -> float:
+  check_static("sm_scale", sm_scale)
   return float(sm_scale)
-
-
-def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float,
-                       d_v: int = 512, attn_sink: jax.Array | None = None,
-                       topk_length: jax.Array | None = None,
-                       implementation: Implementation = None, interpret: bool = False):
-  """Sparse attention prefill (FlashMLA ``flash_mla_sparse_fwd``).
-
-  Every query token attends to its own ``topk`` key rows of ``kv``, picked by
-  ``indices``; all query heads share the one latent KV head (MLA).
-
-  Args:
-    q: ``[s_q, h_q, d_qk]`` bf16; ``d_qk`` 576 (DeepSeek V3.2: 512 NoPE + 64 RoPE) or
-      512 (DeepSeek V4). Any ``h_q >= 1``.
-    kv: ``[s_kv, d_qk]`` or ``[s_kv, 1, d_qk]`` bf16 latent rows; V is the first
-      ``d_v`` columns.
-    indices: int32 ``[s_q, topk]`` or ``[s_q, 1, topk]``, rows of ``kv``. Entries
-      ``< 0`` or ``>= s_kv`` are invalid: masked, never read.
-    sm_scale: softmax scale applied to ``q k^T`` (static float).
-    d_v: value width; must be 512.
-    attn_sink: optional float32 ``[h_q]``: the output is multiplied by
-      ``exp(lse) / (exp(lse) + exp(attn_sink))``; ``lse`` and ``max_logits`` are
-      unchanged; ``+inf`` gives a zero output, ``-inf`` has no effect.
-    topk_length: optional int32 ``[s_q]``: token ``i`` only uses
-      ``indices[i, :topk_length[i]]`` (values are clamped to ``[0, topk]``).
-    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU, Hopper,
-      ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks Mosaic GPU on a
-      Hopper GPU for the shapes it takes, else Triton on GPU, else the reference.
-    interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
-
-  Returns:
-    ``(out, max_logits, lse)``: ``out`` bf16 ``[s_q, h_q, d_v]``; ``max_logits``
-    float32 ``[s_q, h_q]``, the largest ``sm_scale * q k^T`` over valid keys; ``lse``
-    float32 ``[s_q, h_q]``, natural-log sum-exp of those scores. A row with no valid
-    key gets ``out = 0``, ``max_logits = -inf`` and ``lse = +inf``.
-  """
-  check_rank("q", q, 3)
-  check_dtype("q", q, jnp.bfloat16)
-  s_q, h_q, d_qk = q.shape
-  check_one_of("q.shape[-1] (d_qk)", d_qk, D_QKS)
-  check_rank("kv", kv, (2, 3))
-  check_dtype("kv", kv, jnp.bfloat16)
-  if kv.ndim == 3:
-    check_shape("kv", kv, (None, 1, d_qk))
-    kv = kv.reshape(kv.shape[0], d_qk)
-  check_shape("kv", kv, (None, d_qk))
-  check_rank("indices", indices, (2, 3))
-  check_int32("indices", indices)
-  if indices.ndim == 3:
-    check_shape("indices", indices, (s_q, 1, None))
-    indices = indices.reshape(s_q, indices.shape[-1])
-  check_shape("indices", indices, (s_q, None))
-  _check_topk("indices", indices)
-  _check_d_v(d_v)
-  _check_sink(attn_sink, h_q)
-  _check_lengths("topk_length", topk_length, s_q)
-  return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=_check_scale(sm_scale),
-                  d_v=d_v, impl=_implementation(q, implementation, interpret),
-                  interpret=interpret)
 
 
 def _implementation(q, implementation: Implementation, interpret: bool) -> str:
@@ -132,15 +93,97 @@ def _implementation(q, implementation: Implementation, interpret: bool) -> str:
   return impl
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "d_v", "impl", "interpret"))
-def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, interpret):
+def _config(config, impl: str, fmt: Format | None):
+  """The backend's ``Config``: the user's, or the heuristic; the reference takes none."""
   if impl == "xla":
-    return sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length,
-                                        sm_scale=sm_scale, d_v=d_v)
+    return None
   if impl == "mosaic":
-    return mosaic.sparse_prefill(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale)
-  return sparse_mla_prefill_pallas(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale,
-                                   d_v=d_v, interpret=interpret)
+    return check_config(config, mosaic.Config, impl) or mosaic.default_config(fmt)
+  return check_config(config, triton.Config, impl) or triton.default_config(
+      decode=fmt is not None)
+
+
+def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float,
+                       d_v: int = 512, attn_sink: jax.Array | None = None,
+                       topk_length: jax.Array | None = None,
+                       implementation: Implementation = None, interpret: bool = False,
+                       config: triton.Config | mosaic.Config | None = None, checks: bool = False):
+  """Sparse attention prefill (FlashMLA ``flash_mla_sparse_fwd``).
+
+  Every query token attends to its own ``topk`` key rows of ``kv``, picked by
+  ``indices``; all query heads share the one latent KV head (MLA).
+
+  Args:
+    q: ``[s_q, h_q, d_qk]`` bf16; ``d_qk`` 576 (DeepSeek V3.2: 512 NoPE + 64 RoPE) or
+      512 (DeepSeek V4). Any ``h_q >= 1``.
+    kv: ``[s_kv, d_qk]`` or ``[s_kv, 1, d_qk]`` bf16 latent rows; V is the first
+      ``d_v`` columns.
+    indices: integer (cast to int32) ``[s_q, topk]`` or ``[s_q, 1, topk]``, rows of
+      ``kv``. Entries ``< 0`` or ``>= s_kv`` are invalid: masked, never read.
+    sm_scale: softmax scale applied to ``q k^T`` (static Python float).
+    d_v: value width; must be 512.
+    attn_sink: optional float32 ``[h_q]``: the output is multiplied by
+      ``exp(lse) / (exp(lse) + exp(attn_sink))``; ``lse`` and ``max_logits`` are
+      unchanged; ``+inf`` gives a zero output, ``-inf`` has no effect.
+    topk_length: optional integer ``[s_q]``: token ``i`` only uses
+      ``indices[i, :topk_length[i]]`` (values are clamped to ``[0, topk]``).
+    implementation: ``"triton"`` (old name ``"pallas"``), ``"mosaic"`` (Pallas Mosaic
+      GPU, Hopper, ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks
+      Mosaic GPU on a Hopper GPU for the shapes it takes, else Triton on GPU, else the
+      reference.
+    interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
+    config: the chosen kernel's tuning, a :class:`jax_mla.sparse_mla.triton.Config` or
+      :class:`jax_mla.sparse_mla.mosaic.Config` (``None``: the measured defaults);
+      the reference ignores it.
+    checks: also check values shapes cannot show (``topk_length`` outside
+      ``[0, topk]``); see :func:`jax_mla._common.check_values`.
+
+  Returns:
+    ``(out, max_logits, lse)``: ``out`` bf16 ``[s_q, h_q, d_v]``; ``max_logits``
+    float32 ``[s_q, h_q]``, the largest ``sm_scale * q k^T`` over valid keys; ``lse``
+    float32 ``[s_q, h_q]``, natural-log sum-exp of those scores. A row with no valid
+    key gets ``out = 0``, ``max_logits = -inf`` and ``lse = +inf``; a NaN score at a
+    valid key (a NaN query, say) gives NaN in all three.
+  """
+  check_rank("q", q, 3)
+  check_dtype("q", q, jnp.bfloat16)
+  s_q, h_q, d_qk = q.shape
+  check_one_of("q.shape[-1] (d_qk)", d_qk, D_QKS)
+  check_rank("kv", kv, (2, 3))
+  check_dtype("kv", kv, jnp.bfloat16)
+  if kv.ndim == 3:
+    check_shape("kv", kv, (None, 1, d_qk))
+    kv = kv.reshape(kv.shape[0], d_qk)
+  check_shape("kv", kv, (None, d_qk))
+  check_rank("indices", indices, (2, 3))
+  indices = as_int32("indices", indices)
+  if indices.ndim == 3:
+    check_shape("indices", indices, (s_q, 1, None))
+    indices = indices.reshape(s_q, indices.shape[-1])
+  check_shape("indices", indices, (s_q, None))
+  _check_topk("indices", indices)
+  _check_d_v(d_v)
+  _check_sink(attn_sink, h_q)
+  topk_length = _lengths("topk_length", topk_length, s_q)
+  sm_scale = _sm_scale(sm_scale)
+  impl = _implementation(q, implementation, interpret)
+  config = _config(config, impl, None)
+  _check_length_values(checks, "topk_length", topk_length, indices.shape[1])
+  return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale, d_v=d_v, impl=impl,
+                  config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "d_v", "impl", "config", "interpret"))
+def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, config, interpret):
+  lengths = token_lengths(indices, topk_length)
+  if impl == "xla":
+    return reference.sparse_prefill(q, kv, indices, attn_sink, lengths, sm_scale=sm_scale,
+                                    d_v=d_v)
+  if impl == "mosaic":
+    return mosaic.sparse_prefill(q, kv, indices, attn_sink, lengths, sm_scale=sm_scale,
+                                 config=config)
+  return triton.sparse_prefill(q, kv, indices, attn_sink, lengths, sm_scale=sm_scale, d_v=d_v,
+                               config=config, interpret=interpret)
 
 
 def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
@@ -150,7 +193,8 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
                       extra_kv_cache: jax.Array | None = None,
                       extra_indices: jax.Array | None = None,
                       extra_topk_length: jax.Array | None = None,
-                      implementation: Implementation = None, interpret: bool = False):
+                      implementation: Implementation = None, interpret: bool = False,
+                      config: triton.Config | mosaic.Config | None = None, checks: bool = False):
   """Sparse attention decode on a paged latent cache (FlashMLA ``flash_mla_with_kvcache``
   with ``indices``).
 
@@ -159,67 +203,78 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
       ``"fp8_model1"``, the cache width for ``"auto"``.
     kv_cache: ``[num_blocks, block_size, *]`` cache in format ``kv_cache_dtype``
       (see ``jax_mla.cache``). fp8 rows are dequantized inside the kernel.
-    indices: int32 ``[b, s_q, topk]`` global slots ``block * block_size + offset``
-      (no block table). Slots ``< 0`` or ``>= num_blocks * block_size`` are invalid:
-      masked, never read.
+    indices: integer (cast to int32) ``[b, s_q, topk]`` global slots ``block *
+      block_size + offset`` (no block table). Slots ``< 0`` or ``>= num_blocks *
+      block_size`` are invalid: masked, never read.
     kv_cache_dtype: ``"fp8_ds_mla"`` (V3.2), ``"fp8_model1"`` (V4) or ``"auto"`` (bf16).
-    sm_scale: softmax scale; ``None`` means ``d_qk ** -0.5``.
+    sm_scale: softmax scale (static Python float); ``None`` means ``d_qk ** -0.5``.
     d_v: value width; must be 512 (V = the first 512 latent columns).
     attn_sink: optional float32 ``[h_q]``; output times ``exp(lse) / (exp(lse) +
       exp(attn_sink))``, ``lse`` unchanged.
-    topk_length: optional int32 ``[b]``: batch ``i`` only uses ``indices[i, :, :topk_length[i]]``.
+    topk_length: optional integer ``[b]``: batch ``i`` only uses
+      ``indices[i, :, :topk_length[i]]``.
     extra_kv_cache, extra_indices, extra_topk_length: an optional second key set
       (same format, its own block size, ``extra_indices[b, s_q, extra_topk]``,
       ``extra_topk_length[b]``) attended in the same softmax as the main one
       (DeepSeek V4: sliding window + compressed cache).
-    implementation: ``"pallas"`` (Triton), ``"mosaic"`` (Pallas Mosaic GPU, Hopper,
-      ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks Mosaic GPU on
-      a Hopper GPU for the head counts it takes, else Triton on GPU, else the reference.
+    implementation: ``"triton"`` (old name ``"pallas"``), ``"mosaic"`` (Pallas Mosaic
+      GPU, Hopper, ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks
+      Mosaic GPU on a Hopper GPU for the head counts it takes, else Triton on GPU, else
+      the reference.
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
+    config: the chosen kernel's tuning (see :func:`sparse_mla_prefill`).
+    checks: also check values shapes cannot show (``topk_length`` /
+      ``extra_topk_length`` outside ``[0, topk]``).
 
   Returns:
     ``(out, lse)``: ``out`` bf16 ``[b, s_q, h_q, d_v]``; ``lse`` float32
     ``[b, h_q, s_q]`` natural log over both key sets, ``+inf`` (and ``out = 0``) for a
-    query with no valid key.
+    query with no valid key, NaN for a NaN score at a valid key.
   """
   check_one_of("kv_cache_dtype", kv_cache_dtype, DECODE_CACHE_DTYPES)
+  fmt = resolve(kv_cache_dtype)
   check_rank("q", q, 4)
   check_dtype("q", q, jnp.bfloat16)
   b, s_q, h_q, d_qk = q.shape
-  check_cache(kv_cache, kv_cache_dtype)
-  if kv_cache_dtype == "auto":
+  check_cache(kv_cache, fmt)
+  if fmt is AUTO:
     check_dtype("kv_cache", kv_cache, jnp.bfloat16)
-  want_d = _DECODE_D_QK.get(kv_cache_dtype, latent_size(kv_cache, kv_cache_dtype))
+  want_d = fmt.latent_size(kv_cache)
   if d_qk != want_d or d_qk not in D_QKS:
     raise ValueError(f"q.shape[-1] must be {want_d} for kv_cache_dtype={kv_cache_dtype!r} "
                      f"(576 or 512); got {d_qk}")
-  _check_decode_indices("indices", indices, b, s_q)
-  _check_lengths("topk_length", topk_length, b)
+  indices = _decode_indices("indices", indices, b, s_q)
+  topk_length = _lengths("topk_length", topk_length, b)
   has_extra = extra_kv_cache is not None
   if has_extra != (extra_indices is not None):
     raise ValueError("extra_kv_cache and extra_indices must be given together")
   if extra_topk_length is not None and not has_extra:
     raise ValueError("extra_topk_length needs extra_kv_cache and extra_indices")
   if has_extra:
-    check_cache(extra_kv_cache, kv_cache_dtype, name="extra_kv_cache")
+    check_cache(extra_kv_cache, fmt, name="extra_kv_cache")
     check_dtype("extra_kv_cache", extra_kv_cache, kv_cache.dtype)
-    if kv_cache_dtype == "auto":
+    if fmt is AUTO:
       check_shape("extra_kv_cache", extra_kv_cache, (None, None, d_qk))
-    _check_decode_indices("extra_indices", extra_indices, b, s_q)
-    _check_lengths("extra_topk_length", extra_topk_length, b)
+    extra_indices = _decode_indices("extra_indices", extra_indices, b, s_q)
+    extra_topk_length = _lengths("extra_topk_length", extra_topk_length, b)
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
-  scale = d_qk ** -0.5 if sm_scale is None else _check_scale(sm_scale)
+  sm_scale = d_qk ** -0.5 if sm_scale is None else _sm_scale(sm_scale)
+  impl = _implementation(q, implementation, interpret)
+  config = _config(config, impl, fmt)
+  _check_length_values(checks, "topk_length", topk_length, indices.shape[-1])
+  if has_extra:
+    _check_length_values(checks, "extra_topk_length", extra_topk_length,
+                         extra_indices.shape[-1])
   return _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
-                 extra_topk_length, attn_sink, kv_cache_dtype=kv_cache_dtype, sm_scale=scale,
-                 d_v=d_v, impl=_implementation(q, implementation, interpret),
-                 interpret=interpret)
+                 extra_topk_length, attn_sink, fmt=fmt, sm_scale=sm_scale, d_v=d_v, impl=impl,
+                 config=config, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_cache_dtype", "sm_scale", "d_v", "impl",
+@functools.partial(jax.jit, static_argnames=("fmt", "sm_scale", "d_v", "impl", "config",
                                              "interpret"))
 def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
-            attn_sink, *, kv_cache_dtype, sm_scale, d_v, impl, interpret):
+            attn_sink, *, fmt, sm_scale, d_v, impl, config, interpret):
   b, s_q, h_q, d_qk = q.shape
   tokens = b * s_q
 
@@ -234,12 +289,28 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
     sets.append(flat_set(extra_kv_cache, extra_indices, extra_topk_length))
   qf = q.reshape(tokens, h_q, d_qk)
   if impl == "xla":
-    out, _, lse = sparse_mla_decode_reference(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
-                                              sm_scale=sm_scale, d_v=d_v)
+    out, _, lse = reference.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
+                                          d_v=d_v)
   elif impl == "mosaic":
-    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
-                                       sm_scale=sm_scale)
+    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
+                                       config=config)
   else:
-    out, _, lse = sparse_mla_decode_pallas(qf, sets, attn_sink, kv_cache_dtype=kv_cache_dtype,
-                                           sm_scale=sm_scale, d_v=d_v, interpret=interpret)
+    out, _, lse = triton.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale, d_v=d_v,
+                                       config=config, interpret=interpret)
+  # FlashMLA's decode LSE is [b, h_q, s_q].
   return out.reshape(b, s_q, h_q, d_v), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)
+
+
+# --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------
+from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
+
+sparse_mla_prefill.sharding = OpSharding(
+    heads=dict(q=1, attn_sink=0), head_outs=(1, 1, 1), num_heads=shape_of("q", 1),
+    requests=dict(q=0, kv=0, indices=0, topk_length=0), request_outs=(0, 0, 0),
+    rebase=dict(indices=("kv", "rows")), shared=("attn_sink",))
+sparse_mla_decode.sharding = OpSharding(
+    heads=dict(q=2, attn_sink=0), head_outs=(2, 1), num_heads=shape_of("q", 2),
+    requests=dict(q=0, kv_cache=0, indices=0, topk_length=0, extra_kv_cache=0,
+                  extra_indices=0, extra_topk_length=0), request_outs=(0, 0),
+    rebase=dict(indices=("kv_cache", "slots"), extra_indices=("extra_kv_cache", "slots")),
+    shared=("attn_sink",))

@@ -25,12 +25,15 @@ The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad e
 set's ``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
 
 Shapes: ``h_q`` a multiple of 64 (other head counts belong to the Triton kernel,
-``implementation="pallas"``); everything else the public functions take: prefill
+``implementation="triton"``); everything else the public functions take: prefill
 ``d_qk`` 576 or 512, decode in every cache format, with or without the extra set.
+The fp8 rows are read at the offsets of the formats' layout objects
+(:mod:`jax_mla.cache.ds_mla`, :mod:`jax_mla.cache.model1`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,25 +43,67 @@ from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
 from jax_mla._common import LN2, LOG2E, cdiv
-from jax_mla.cache.formats import (
-  DS_MLA_NUM_TILES,
-  DS_MLA_ROPE_OFFSET,
-  DS_MLA_SCALE_OFFSET,
-  MODEL1_DATA_BYTES,
-  MODEL1_NOPE,
-  MODEL1_NUM_TILES,
-  MODEL1_SCALE_BYTES,
-  MODEL1_TILE,
-)
-from jax_mla.sparse_mla.reference import valid_slots
+from jax_mla.cache.ds_mla import DsMla
+from jax_mla.cache.layout import Format
+from jax_mla.cache.model1 import Model1
+from jax_mla.sparse_mla.layout import valid_slots
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
 BLOCK_K = 64  # gathered key rows per pipeline step
 HALF = 256  # output columns per consumer warpgroup (wgmma N <= 256)
 D_MAIN = 512  # columns held as two 256-wide halves: V, and K's NoPE part
-NUM_STAGES = 2  # 72 KiB query + 2 x 72 KiB key stages fill the 227 KiB of SMEM
 TILE = 64  # bf16 columns in one 128-byte swizzled tile row
 THREADS_PER_ROW = TILE * 2 // 16  # 16-byte copies per tile row
+# The kernel starts at 168 registers per thread (64K / 384 threads) and setmaxnreg
+# only moves registers between warpgroups (see Config).
+REGISTER_BUDGET = 3 * 168
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Mosaic GPU sparse MLA kernel (results do not depend on it).
+
+  Attributes:
+    num_stages: key stages in the shared-memory ring; 72 KiB query + 2 x 72 KiB key
+      stages fill the 227 KiB of SMEM, so 1 or 2.
+    consumer_registers, producer_registers: registers per thread of each of the two
+      consumer warpgroups and of the producer (``setmaxnreg``: multiples of 8 in
+      [24, 256]). ``2 * consumer + producer`` must be 504: setmaxnreg only moves
+      registers between warpgroups, and the consumers' increase waits forever for
+      registers nobody frees (a hang seen with 224 / 64).
+  """
+  num_stages: int = 2
+  consumer_registers: int = 208
+  producer_registers: int = 88
+
+  def __post_init__(self):
+    if self.num_stages not in (1, 2):
+      raise ValueError(f"num_stages must be 1 or 2 (shared memory); got {self.num_stages}")
+    regs = (self.consumer_registers, self.producer_registers)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs):
+      raise ValueError(f"register counts must be multiples of 8 in [24, 256]; got {regs}")
+    if 2 * self.consumer_registers + self.producer_registers != REGISTER_BUDGET:
+      raise ValueError(
+          f"2 * consumer_registers + producer_registers must be {REGISTER_BUDGET} or the "
+          f"kernel hangs; got 2 * {self.consumer_registers} + {self.producer_registers}")
+
+
+def default_config(fmt: Format | None) -> Config:
+  """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows).
+
+  The consumers hold a 64 x 256 float32 accumulator. The fp8 producer is
+  latency-bound: at 88 registers it keeps more rows' loads in flight than at 56
+  (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s; 104 and 120 gave no more). The
+  bf16 producer only issues ``cp.async`` copies: 40 registers.
+  """
+  if _fp8(fmt):
+    return Config(consumer_registers=208, producer_registers=88)
+  return Config(consumer_registers=232, producer_registers=40)
+
+
+def _fp8(fmt: Format | None) -> bool:
+  """Whether the producer dequantizes the rows (else it copies bf16 rows)."""
+  return isinstance(fmt, (DsMla, Model1))
 
 
 def check_supported(q) -> None:
@@ -66,7 +111,7 @@ def check_supported(q) -> None:
   h_q = q.shape[-2]
   if h_q % BLOCK_H:
     raise ValueError(f"the Mosaic GPU sparse MLA kernel needs h_q a multiple of {BLOCK_H} "
-                     f"(got {h_q}); use implementation='pallas' (Triton) for this shape")
+                     f"(got {h_q}); use implementation='triton' for this shape")
 
 
 def default_for(q) -> bool:
@@ -74,13 +119,16 @@ def default_for(q) -> bool:
   return _mosaic.default_for(check_supported, q)
 
 
-def _gather_fn(*, row_format: str, num_slots: int, block_size: int, row_bytes: int, d_qk: int):
+def _gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
+               d_qk: int):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
-  ``row_format``: ``"bf16"`` (rows of ``d_qk`` bf16, copied with ``cp.async``),
-  ``"fp8_ds_mla"`` (656-byte rows) or ``"fp8_model1"`` (rows spread over their cache
-  block, see :mod:`jax_mla.cache.formats`), both dequantized in registers.
-  ``row_bytes`` is the cache's last axis in bytes (a block is ``block_size`` of them).
+  ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
+  ``cp.async``),
+  :class:`~jax_mla.cache.ds_mla.DsMla` (656-byte rows) or
+  :class:`~jax_mla.cache.model1.Model1` (rows spread over their cache block), both
+  dequantized in registers. ``row_bytes`` is the cache's last axis in bytes (a block
+  is ``block_size`` of them).
   """
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -136,13 +184,13 @@ def _gather_fn(*, row_format: str, num_slots: int, block_size: int, row_bytes: i
       ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0)),
                       arith.cmpi(arith.CmpIPredicate.slt, idx, c32(num_slots)))
       slot = arith.select(ok, idx, c32(0))
-      if row_format == "fp8_model1":  # data at j * 576 of the block, scales at bs*576 + j*8
+      if isinstance(fmt, Model1):  # data at j * 576 of the block, scales at bs*576 + j*8
         block = arith.extui(i64, arith.divui(slot, c32(block_size)))
         j = arith.extui(i64, arith.remui(slot, c32(block_size)))
         block_at = at(kv_base, arith.muli(block, c64(block_size * row_bytes)))
-        rows.append(at(block_at, arith.muli(j, c64(MODEL1_DATA_BYTES))))
-        scales.append(at(block_at, arith.addi(arith.muli(j, c64(MODEL1_SCALE_BYTES)),
-                                              c64(block_size * MODEL1_DATA_BYTES))))
+        rows.append(at(block_at, arith.muli(j, c64(fmt.data_bytes))))
+        scales.append(at(block_at, arith.addi(arith.muli(j, c64(fmt.scale_bytes)),
+                                              c64(fmt.scale_region(block_size)))))
       else:  # rows are contiguous across blocks
         rows.append(at(kv_base, arith.muli(arith.extui(i64, slot), c64(row_bytes))))
       oks.append(ok)
@@ -151,13 +199,13 @@ def _gather_fn(*, row_format: str, num_slots: int, block_size: int, row_bytes: i
     # bf16 pieces, copied as they are: (this thread's first destination, source byte
     # offset of tile piece 0, bytes between the thread's rows in the stage).
     copies = []
-    if row_format == "bf16":
+    if not _fp8(fmt):
       copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in range(D_MAIN // TILE)]
     if d_qk > D_MAIN:
-      rope_at = DS_MLA_ROPE_OFFSET if row_format == "fp8_ds_mla" else 2 * D_MAIN
+      rope_at = fmt.rope_offset if isinstance(fmt, DsMla) else 2 * D_MAIN
       copies.append((dst(rope_base, 1, c32(0), lane), rope_at, rope_stride))
-    if row_format == "fp8_model1":  # the RoPE part is column tile 7 of the 512
-      copies.append((main_dst(MODEL1_NUM_TILES, lane), MODEL1_NOPE, row_stride))
+    if isinstance(fmt, Model1):  # the RoPE part is column tile 7 of the 512
+      copies.append((main_dst(fmt.num_tiles, lane), fmt.nope, row_stride))
     lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
     for d, src_at, stride in copies:
       for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
@@ -167,36 +215,36 @@ def _gather_fn(*, row_format: str, num_slots: int, block_size: int, row_bytes: i
                         "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r",
                         has_side_effects=True)
 
-    if row_format == "fp8_ds_mla":
+    if isinstance(fmt, DsMla):
       # Thread `lane` holds bytes [lane*16, +16) of each 128-value scale tile k, i.e.
       # bf16 columns k*128 + lane*16 .. +16: column tile 2k + lane // 4, 16-byte chunks
       # 2 * (lane % 4) and the next.
       chunk = arith.muli(arith.andi(lane, c32(3)), c32(2))
       col_tile = arith.shrui(lane, c32(2))
       dsts = []
-      for k in range(DS_MLA_NUM_TILES):
+      for k in range(fmt.num_tiles):
         half = 2 * k // (HALF // TILE)  # lane // 4 < 2 keeps the half fixed per k
         ct = arith.addi(col_tile, c32(2 * k - half * (HALF // TILE)))
         for c in (chunk, arith.addi(chunk, c32(1))):
           dsts.append(at(dst(main_base, HALF // TILE, ct, c), c32(half * BLOCK_K * HALF * 2)))
-      sources = [(at(row, lane16), at(row, c64(DS_MLA_SCALE_OFFSET))) for row in rows]
-    elif row_format == "fp8_model1":
+      sources = [(at(row, lane16), at(row, c64(fmt.scale_offset))) for row in rows]
+    elif isinstance(fmt, Model1):
       # Thread `lane` holds bytes [lane*8, +8) of each 64-value scale tile k: bf16
       # column tile k, 16-byte chunk `lane`.
-      dsts = [main_dst(k, lane) for k in range(MODEL1_NUM_TILES)]
+      dsts = [main_dst(k, lane) for k in range(fmt.num_tiles)]
       lane8 = arith.extui(i64, arith.muli(lane, c32(8)))
       sources = [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
-    if row_format != "bf16":
+    if _fp8(fmt):
       for r, ((data, scale), ok) in enumerate(zip(sources, oks, strict=True)):
         llvm.inline_asm(void, [data, scale, arith.extui(i32, ok), *dsts],
-                        _dequant_asm(row_format, r * row_stride),
+                        _dequant_asm(fmt, r * row_stride),
                         ",".join(["l", "l", "r"] + ["r"] * len(dsts)), has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
   return gather
 
 
-def _dequant_asm(row_format: str, row_offset: int) -> str:
+def _dequant_asm(fmt: DsMla | Model1, row_offset: int) -> str:
   """PTX that dequantizes one row's share of one thread and stores it as bf16.
 
   Operands: data address, scale address, valid, then the shared addresses of the
@@ -209,21 +257,22 @@ def _dequant_asm(row_format: str, row_offset: int) -> str:
     apart) and the row's 8 UE8M0 scale bytes (``2**(e - 127)`` is the float32 with
     exponent field ``e``); 7 stores.
   """
-  ds_mla = row_format == "fp8_ds_mla"
-  words, tiles, tile_bytes = (4, 4, 128) if ds_mla else (2, MODEL1_NUM_TILES, MODEL1_TILE)
+  ds_mla = isinstance(fmt, DsMla)
+  # A thread holds 1/8 of each tile (8 threads per 128-byte row): tile / 32 words.
+  words, tiles, tile_bytes = fmt.tile // (4 * THREADS_PER_ROW), fmt.num_tiles, fmt.tile
   lines = ["{", ".reg .pred p0;", f".reg .b32 x<{words * tiles}>, o<8>, c<2>, t<2>;",
            ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s<4>;", "setp.ne.b32 p0, $2, 0;"]
   # The row's scales as loaded: 4 float32 (ds_mla), or 8 UE8M0 bytes in two words.
-  scale_regs = [f"s{i}" for i in range(4)] if ds_mla else ["t0", "t1"]
+  scale_regs = ([f"s{i}" for i in range(fmt.num_tiles)] if ds_mla
+                else [f"t{i}" for i in range(fmt.scale_bytes // 4)])
   lines += [f"mov.b32 {r}, 0;" for r in [f"x{i}" for i in range(words * tiles)] + scale_regs]
-  vec = "v4" if ds_mla else "v2"
   for k in range(tiles):
     xs = ", ".join(f"x{words * k + i}" for i in range(words))
-    lines.append(f"@p0 ld.global.nc.{vec}.b32 {{{xs}}}, [$0+{tile_bytes * k}];")
-  lines.append(f"@p0 ld.global.nc.{vec}.b32 {{{', '.join(scale_regs)}}}, [$1];")
+    lines.append(f"@p0 ld.global.nc.v{words}.b32 {{{xs}}}, [$0+{tile_bytes * k}];")
+  lines.append(f"@p0 ld.global.nc.v{len(scale_regs)}.b32 {{{', '.join(scale_regs)}}}, [$1];")
   for k in range(tiles):
     scale = f"s{k}"
-    if not ds_mla:
+    if not ds_mla:  # UE8M0: the code is the float32 exponent field of the scale
       scale = "s0"
       lines += [f"bfe.u32 c0, t{k // 4}, {8 * (k % 4)}, 8;", "shl.b32 c0, c0, 23;",
                 "mov.b32 s0, c0;"]
@@ -251,16 +300,7 @@ def _wait_copies(ctx):
                   has_side_effects=True)
 
 
-# Register split (consumer, producer) per thread. The kernel starts at 168 each (64K /
-# 384 threads) and setmaxnreg only moves registers between warpgroups, so 2 x consumer +
-# producer must be 3 x 168 = 504, or the consumers' increase waits forever (a hang
-# seen with 224 / 64). The consumers hold a 64 x 256 float32 accumulator. The fp8
-# producer is latency-bound: at 88 registers it keeps more rows' loads in flight than
-# at 56 (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s; 104 and 120 gave no more).
-REGISTERS = {"bf16": (232, 40), "fp8_ds_mla": (208, 88), "fp8_model1": (208, 88)}
-
-
-def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathers, scale):
+def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale):
   """``gathers``: one ``_gather_fn`` per key set; ``refs``: the sets' indices, then their
   caches, then the outputs, the SMEM refs and the barriers."""
   num_sets = len(gathers)
@@ -282,7 +322,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathe
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(REGISTERS[row_format][0], action="increase")
+    plgpu.set_max_registers(config.consumer_registers, action="increase")
     row = _mosaic.row_layout(plgpu)
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, HALF), jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row)
@@ -291,7 +331,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathe
 
     def step(i, carry):
       acc, m, l = carry
-      slot = lax.rem(i, NUM_STAGES)
+      slot = lax.rem(i, config.num_stages)
       plgpu.barrier_wait(kv_bar.at[slot])
 
       def qk(s_ref):
@@ -345,7 +385,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathe
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(REGISTERS[row_format][1], action="decrease")
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
     rows = pl.ds(r0, BLOCK_H)
     for h in range(2):
       plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h], q_bar)
@@ -362,7 +402,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathe
       # (async-proxy) reads; the arrival (all 128 threads count as one) publishes them.
       wait_copies()
       plgpu.commit_smem()
-      plgpu.barrier_arrive(kv_bar.at[lax.rem(i, NUM_STAGES)])
+      plgpu.barrier_arrive(kv_bar.at[lax.rem(i, config.num_stages)])
 
     for k, (gather_fn, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
                                                           strict=True)):
@@ -370,7 +410,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathe
 
       @pl.loop(first[k], first[k + 1])
       def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref):
-        slot = lax.rem(i, NUM_STAGES)
+        slot = lax.rem(i, config.num_stages)
 
         # Stage i - 1 landed while the consumers worked on i - 2: publish it before
         # waiting for slot i's previous reader, so the consumers never wait on an issue.
@@ -378,7 +418,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, row_format, gathe
         def _():
           ready(i - 1)
 
-        @pl.when(i >= NUM_STAGES)
+        @pl.when(i >= config.num_stages)
         def _():
           plgpu.barrier_wait(free_bar.at[slot])
 
@@ -402,13 +442,13 @@ def _clean_indices(indices, lengths, num_slots):
   return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
-def _attend(q, sets, attn_sink, *, row_format, sm_scale):
+def _attend(q, sets, attn_sink, *, fmt, sm_scale, config):
   """The kernel over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
 
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
-  block_size, width]`` holds bf16 latents or fp8 bytes in ``row_format``; ``lengths``
-  (int32) are clipped here to ``[0, topk]``. Returns ``(out bf16[T, h_q, 512],
-  max_logits f32[T, h_q], lse f32[T, h_q])``.
+  block_size, width]`` holds bf16 latents or fp8 bytes of ``fmt`` (see
+  :func:`_gather_fn`); ``lengths`` (int32) are clipped here to ``[0, topk]``. Returns
+  ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
@@ -420,7 +460,7 @@ def _attend(q, sets, attn_sink, *, row_format, sm_scale):
     all_indices.append(_clean_indices(indices, lengths, num_slots))
     all_lengths.append(lengths)
     all_rows.append(cache.reshape(num_slots, width))
-    gathers.append(_gather_fn(row_format=row_format, num_slots=num_slots, block_size=block_size,
+    gathers.append(_gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
                               row_bytes=width * cache.dtype.itemsize, d_qk=d_qk))
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
@@ -430,20 +470,20 @@ def _attend(q, sets, attn_sink, *, row_format, sm_scale):
   smem = (
       plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((NUM_STAGES, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((NUM_STAGES, BLOCK_K, rope), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((NUM_STAGES, BLOCK_K), jnp.int32),
+      plgpu.SMEM((config.num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((config.num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((config.num_stages, BLOCK_K), jnp.int32),
       plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
   )
   q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
   barriers = (
       plgpu.Barrier(num_arrivals=q_copies),
-      plgpu.Barrier(num_arrivals=1, num_barriers=NUM_STAGES),  # stage gathered (producer)
-      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),  # stage free: both consumers
+      plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),  # stage gathered (producer)
+      plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),  # stage free: both consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
   )
-  kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, row_format=row_format,
+  kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
                              gathers=tuple(gathers), scale=sm_scale * LOG2E)
 
   def entry(*refs):
@@ -465,27 +505,24 @@ def _attend(q, sets, attn_sink, *, row_format, sm_scale):
           lse.reshape(tokens, h_q))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def sparse_prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale):
-  """Prefill on the kernel; inputs validated by :func:`jax_mla.sparse_mla.sparse_mla_prefill`
-  and :func:`check_supported`. Same results as that function.
+def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Config):
+  """Prefill on the kernel (call under jit); inputs validated by
+  :func:`jax_mla.sparse_mla.sparse_mla_prefill` and :func:`check_supported`.
 
   ``q[s_q, h_q, d_qk]``, ``kv[s_kv, d_qk]``, ``indices[s_q, topk]``, ``attn_sink``
-  ``[h_q]`` float32 or None, ``topk_length`` ``[s_q]`` int32 or None.
+  ``[h_q]`` float32 or None, ``lengths`` ``[s_q]`` int32. Returns ``(out, max_logits,
+  lse)``.
   """
-  s_q, topk = indices.shape
-  lengths = jnp.full((s_q,), topk, jnp.int32) if topk_length is None else topk_length
-  return _attend(q, [(kv[:, None], indices, lengths)], attn_sink, row_format="bf16",
-                 sm_scale=sm_scale)
+  return _attend(q, [(kv[:, None], indices, lengths)], attn_sink, fmt=None, sm_scale=sm_scale,
+                 config=config)
 
 
-def sparse_decode(q, sets, attn_sink, *, kv_cache_dtype, sm_scale):
+def sparse_decode(q, sets, attn_sink, *, fmt: Format, sm_scale, config: Config):
   """Decode on the kernel (call under jit); inputs validated by
   :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_supported`.
 
   ``q[T, h_q, d_qk]`` (batch and query position flattened); ``sets`` one or two
   ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T])``
-  attended in one softmax. Returns ``(out, max_logits, lse)`` over ``T``.
+  in format ``fmt``, attended in one softmax. Returns ``(out, max_logits, lse)`` over ``T``.
   """
-  row_format = "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
-  return _attend(q, sets, attn_sink, row_format=row_format, sm_scale=sm_scale)
+  return _attend(q, sets, attn_sink, fmt=fmt, sm_scale=sm_scale, config=config)

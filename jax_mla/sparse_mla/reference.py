@@ -14,22 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_mla.cache.formats import gather_dequantize
+from jax_mla.cache.layout import Format
+from jax_mla.sparse_mla.layout import valid_slots
 
 # Query tokens per step of the reference: bounds the gathered [tokens, topk, d] copy.
 _TOKENS_PER_STEP = 64
-
-
-def valid_slots(indices: jax.Array, lengths: jax.Array | None, num_slots: int) -> jax.Array:
-  """Boolean mask of usable indices: in ``[0, num_slots)`` and at a position ``< lengths``.
-
-  ``indices[..., topk]``; ``lengths`` broadcasts against ``indices.shape[:-1]``.
-  """
-  valid = (indices >= 0) & (indices < num_slots)
-  if lengths is not None:
-    pos = jnp.arange(indices.shape[-1], dtype=jnp.int32)
-    valid &= pos < jnp.asarray(lengths)[..., None]
-  return valid
 
 
 def attend_gathered(q: jax.Array, rows: jax.Array, valid: jax.Array, attn_sink: jax.Array | None,
@@ -68,9 +57,9 @@ def _map_tokens(fn, *xs):
   return tuple(o.reshape(n * _TOKENS_PER_STEP, *o.shape[2:])[:t] for o in outs)
 
 
-def sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length, *, sm_scale: float,
-                                 d_v: int):
-  """Reference sparse prefill: ``q[s_q, h, d]``, ``kv[s_kv, d]``, ``indices[s_q, topk]``."""
+def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale: float, d_v: int):
+  """Reference sparse prefill: ``q[s_q, h, d]``, ``kv[s_kv, d]``, ``indices[s_q, topk]``,
+  ``lengths[s_q]``."""
   num_slots = kv.shape[0]
 
   def step(q_c, idx_c, len_c):
@@ -78,18 +67,16 @@ def sparse_mla_prefill_reference(q, kv, indices, attn_sink, topk_length, *, sm_s
     rows = kv[jnp.where(valid, idx_c, 0)]
     return attend_gathered(q_c, rows, valid, attn_sink, sm_scale=sm_scale, d_v=d_v)
 
-  lengths = (jnp.full(indices.shape[:1], indices.shape[1], jnp.int32)
-             if topk_length is None else topk_length)
   return _map_tokens(step, q, indices, lengths)
 
 
-def sparse_mla_decode_reference(q, sets, attn_sink, *, kv_cache_dtype: str, sm_scale: float,
-                                d_v: int):
+def sparse_decode(q, sets, attn_sink, *, fmt: Format, sm_scale: float, d_v: int):
   """Reference sparse decode over key sets that share one softmax.
 
   ``q[T, h, d]`` (batch and query position flattened); each set is
   ``(kv_cache, indices[T, topk], lengths[T])`` with global slots
-  ``block * block_size + offset``. Returns ``(out, max_logits, lse)`` over ``T``.
+  ``block * block_size + offset``, caches in format ``fmt``. Returns ``(out,
+  max_logits, lse)`` over ``T``.
   """
   caches = [cache for cache, _, _ in sets]
 
@@ -97,7 +84,7 @@ def sparse_mla_decode_reference(q, sets, attn_sink, *, kv_cache_dtype: str, sm_s
     rows, valid = [], []
     for cache, idx_c, len_c in zip(caches, pairs[::2], pairs[1::2], strict=True):
       ok = valid_slots(idx_c, len_c, cache.shape[0] * cache.shape[1])
-      rows.append(gather_dequantize(cache, jnp.where(ok, idx_c, 0), kv_cache_dtype=kv_cache_dtype))
+      rows.append(fmt.gather_dequantize(cache, jnp.where(ok, idx_c, 0)))
       valid.append(ok)
     return attend_gathered(q_c, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
                            attn_sink, sm_scale=sm_scale, d_v=d_v)

@@ -1,10 +1,10 @@
-"""Pallas (Triton) paged decode attention with a split KV sequence (flash-decoding).
+"""Pallas Triton paged decode attention with a split KV sequence (flash-decoding).
 
 One program per (sequence, kv head, kv split) computes all query heads of the
 group at once (padded to 16 rows for the tensor-core dot) over its share of the
-sequence's tiles, and writes a normalised partial output plus its LSE. The
-splits (and the attention sink) are merged afterwards in XLA with
-``merge_attn_states``. Against the seed ``kernel_paged_attention_2d``:
+sequence's tiles with the online softmax of :mod:`jax_mla._softmax`, and writes a
+normalised partial output plus its LSE. The splits (and the attention sink) are
+combined afterwards in XLA (:mod:`jax_mla.merge`). Against the seed ``kernel_paged_attention_2d``:
 
 - splitting the sequence lets a few long sequences fill the GPU;
 - a tile spans several cache blocks (64 tokens, 128 for fp8, not one 16-token
@@ -21,6 +21,7 @@ splits (and the attention sink) are merged afterwards in XLA with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,14 +30,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
-from jax_mla.merge import merge_attn_states
-from jax_mla.paged.reference import (
-  CacheView,
-  decode_rows,
-  finish_output,
-  scatter_rows,
-)
+from jax_mla import _softmax
+from jax_mla._common import LOG2E, cdiv, next_pow2, num_sms
+from jax_mla.merge import combine_splits
+from jax_mla.paged.layout import CacheView, decode_rows, finish_output, scatter_rows
 
 
 def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, group, head_dim,
@@ -48,7 +45,7 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
   s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   g_pad, d_pad = o_ref.shape
   max_blocks = bt_ref.shape[1]
-  qk_scale = scal_ref[0]  # scale * k_scale * log2(e): scores live in base 2
+  qk_scale = scal_ref[0]  # sm_scale * k_scale * log2(e): scores live in base 2
   v_scale = scal_ref[1]
 
   seq_len = len_ref[s]  # 0 for skipped sequences
@@ -105,22 +102,47 @@ def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, grou
     if has_alibi:
       rel = (pos - (seq_len - 1)).astype(jnp.float32)
       scores += slope[:, None] * rel[None, :]
-    scores = jnp.where(valid[None, :], scores, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no inf - inf
-    alpha = jnp.exp2(m - m_base)
-    p = jnp.exp2(scores - m_base[:, None])
+    m, l, alpha, p = _softmax.step(m, l, scores, valid[None, :])
     pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
-    return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+    return m, l, acc * alpha[:, None] + pv
 
-  init = (jnp.full((g_pad,), -jnp.inf, jnp.float32), jnp.zeros((g_pad,), jnp.float32),
-          jnp.zeros((g_pad, d_pad), jnp.float32))
-  m, l, acc = lax.fori_loop(lo, hi, body, init)
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = acc * (v_scale / l_safe)[:, None]
-  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+  m, l = _softmax.init(g_pad)
+  m, l, acc = lax.fori_loop(lo, hi, body, (m, l, jnp.zeros((g_pad, d_pad), jnp.float32)))
+  inv, lse = _softmax.finish(m, l, v_scale=v_scale)
+  o_ref[...] = acc * inv[:, None]
+  lse_ref[...] = lse
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Triton paged-attention kernel (static; changes no result beyond rounding).
+
+  Attributes:
+    block_n: tokens per tile (spanning several cache blocks), a power of two >= 16.
+    num_warps, num_stages: Triton launch parameters.
+    num_splits: KV splits per (sequence, kv head); ``None`` picks
+      :func:`default_num_kv_splits`.
+  """
+  block_n: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.block_n, int) or self.block_n < 16 or self.block_n & (self.block_n - 1):
+      raise ValueError(f"Config.block_n must be a power of two >= 16; got {self.block_n!r}")
+    if self.num_splits is not None and (not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise ValueError(f"Config.num_splits must be None or an int >= 1; got {self.num_splits!r}")
+
+
+def default_config(*, fp8_cache: bool, head_dim: int) -> Config:
+  """Tile defaults from the H100 sweep (benchmarks/bench_paged_attention.py --sweep):
+  64 tokens, 2 stages for 2-byte caches; 128 tokens, 3 stages for fp8; 32 tokens for
+  head sizes above 128."""
+  block_n = (128 if fp8_cache else 64) if max(16, next_pow2(head_dim)) <= 128 else 32
+  return Config(block_n=block_n, num_warps=4, num_stages=3 if fp8_cache else 2)
 
 
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_tiles: int,
@@ -133,73 +155,77 @@ def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_tiles: int,
   return splits
 
 
-def _num_cores() -> int:
-  return getattr(jax.devices()[0], "core_count", None) or 132
+def with_defaults(config: Config | None, *, num_kv_splits: int | None, fp8_cache: bool,
+                  head_dim: int, num_seqs: int, num_kv_heads: int, max_tokens: int,
+                  interpret: bool) -> Config:
+  """``config`` (``None``: :func:`default_config`) with ``num_splits`` set: the op's
+  ``num_kv_splits`` when given, else the config's, else :func:`default_num_kv_splits`."""
+  config = config or default_config(fp8_cache=fp8_cache, head_dim=head_dim)
+  if num_kv_splits is not None:
+    return dataclasses.replace(config, num_splits=num_kv_splits)
+  if config.num_splits is not None:
+    return config
+  return dataclasses.replace(config, num_splits=default_num_kv_splits(
+      num_seqs, num_kv_heads, cdiv(max_tokens, config.block_n), 1 if interpret else num_sms()))
 
 
-def paged_attention_pallas(query, key_view_: CacheView, value_view_: CacheView, block_tables,
-                           seq_lens, *, scale, k_scale, v_scale, sinks, alibi_slopes,
-                           sliding_window, query_start_loc, out_scale, num_kv_splits=None,
-                           block_n=None, num_warps=4, num_stages=None, interpret=False):
-  """Kernel path of ``paged_attention`` (arguments already validated)."""
+def paged_attention_triton(query, key_view_: CacheView, value_view_: CacheView, block_table,
+                           seq_lens, *, sm_scale, k_scale, v_scale, attn_sink, alibi_slopes,
+                           sliding_window, query_start_loc, out_scale, config: Config,
+                           interpret=False):
+  """Kernel path of ``paged_attention`` (arguments validated, ``config.num_splits`` set)."""
   t, hq, head_dim = query.shape
   num_blocks, hkv, _, block_size, _ = key_view_.data.shape
-  num_seqs, max_blocks = block_tables.shape
+  num_seqs = block_table.shape[0]
+  num_splits = config.num_splits
   group = hq // hkv
   g_pad = max(16, next_pow2(group))
   d_pad = max(16, next_pow2(head_dim))
-  # Tile defaults from the H100 sweep (benchmarks/bench_paged_attention.py --sweep):
-  # 64 tokens, 2 stages for 2-byte caches; 128 tokens, 3 stages for fp8.
-  fp8_cache = key_view_.data.dtype.itemsize == 1
-  if block_n is None:
-    block_n = (128 if fp8_cache else 64) if d_pad <= 128 else 32
-  if num_stages is None:
-    num_stages = 3 if fp8_cache else 2
-  max_tiles = cdiv(max_blocks * block_size, block_n)
-  if num_kv_splits is None:
-    num_kv_splits = default_num_kv_splits(num_seqs, hkv, max_tiles,
-                                          1 if interpret else _num_cores())
 
   query_row, lens = decode_rows(seq_lens, query_start_loc, t)
-  scalars = jnp.stack([jnp.asarray(scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
+  scalars = jnp.stack([jnp.asarray(sm_scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
                        * LOG2E, jnp.asarray(v_scale, jnp.float32)])
-  inputs = [scalars, query_row, lens, block_tables, query.reshape(t, hkv, group, head_dim),
+  inputs = [scalars, query_row, lens, block_table, query.reshape(t, hkv, group, head_dim),
             key_view_.data, value_view_.data]
   if alibi_slopes is not None:
     inputs.append(alibi_slopes.astype(jnp.float32).reshape(hkv, group) * LOG2E)
 
   kernel = functools.partial(
       _kernel, group=group, head_dim=head_dim, block_size=block_size, k_x=key_view_.x,
-      v_x=value_view_.x, block_n=block_n, num_splits=num_kv_splits,
+      v_x=value_view_.x, block_n=config.block_n, num_splits=num_splits,
       sliding_window=sliding_window, num_blocks=num_blocks,
       has_alibi=alibi_slopes is not None)
   out_part, lse_part = pl.pallas_call(
       kernel,
-      grid=(num_seqs, hkv, num_kv_splits),
+      grid=(num_seqs, hkv, num_splits),
       in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[
           pl.BlockSpec((None, None, None, g_pad, d_pad), lambda s, h, p: (s, p, h, 0, 0)),
           pl.BlockSpec((None, None, None, g_pad), lambda s, h, p: (s, p, h, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((num_seqs, num_kv_splits, hkv, g_pad, d_pad), jnp.float32),
-          jax.ShapeDtypeStruct((num_seqs, num_kv_splits, hkv, g_pad), jnp.float32),
+          jax.ShapeDtypeStruct((num_seqs, num_splits, hkv, g_pad, d_pad), jnp.float32),
+          jax.ShapeDtypeStruct((num_seqs, num_splits, hkv, g_pad), jnp.float32),
       ],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="paged_attention",
   )(*inputs)
 
   # [S, P, Hq, D] partials -> one output per sequence (flash-decoding combine).
-  out_part = out_part[..., :group, :head_dim].reshape(num_seqs, num_kv_splits, hq, head_dim)
-  lse_part = lse_part[..., :group].reshape(num_seqs, num_kv_splits, hq)
-  out, lse = out_part[:, 0], lse_part[:, 0]
-  for p in range(1, num_kv_splits):
-    out, lse = merge_attn_states(out, lse, out_part[:, p], lse_part[:, p])
-  if sinks is not None:
-    # The sink adds exp(sink) to the softmax denominator and nothing to the values.
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None], lse.shape)
-    out, _ = merge_attn_states(out, lse, jnp.zeros_like(out), sink)
-    out = jnp.where(jnp.isposinf(sink)[..., None], 0.0, out)
+  out_part = out_part[..., :group, :head_dim].reshape(num_seqs, num_splits, hq, head_dim)
+  lse_part = lse_part[..., :group].reshape(num_seqs, num_splits, hq)
+  out_part, lse_part = jnp.moveaxis(out_part, 1, 0), jnp.moveaxis(lse_part, 1, 0)
+  if attn_sink is not None:
+    # The sink adds exp(sink) to the softmax denominator and nothing to the values: one
+    # more part with zero output. A +inf sink (which the combine reads as "no keys")
+    # takes all the weight.
+    sink = jnp.broadcast_to(attn_sink.astype(jnp.float32), (1, num_seqs, hq))
+    out_part = jnp.concatenate([out_part, jnp.zeros_like(out_part[:1])])
+    lse_part = jnp.concatenate([lse_part, sink])
+  out, _ = combine_splits(out_part, lse_part)
+  if attn_sink is not None:
+    out = jnp.where(jnp.isposinf(attn_sink)[None, :, None], 0.0, out)
   out = scatter_rows(out, query_row, t, identity=query_start_loc is None)
   return finish_output(out, query.dtype, out_scale)

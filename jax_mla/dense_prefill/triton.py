@@ -1,10 +1,11 @@
-"""Pallas (Triton) varlen flash-attention forward with d_qk != d_v.
+"""Pallas Triton varlen flash-attention forward with d_qk != d_v.
 
 Grid ``(q block within sequence, head, sequence + 1)``. Each program owns
 ``block_q`` query rows of one sequence and one head, loops over the key blocks of
-the same sequence with an online base-2 softmax, and writes ``out`` and the
-natural-log LSE. Key blocks fully visible to every row run without masks; only
-the blocks on the causal diagonal or past the sequence end are masked.
+the same sequence with the online base-2 softmax of :mod:`jax_mla._softmax`, and
+writes ``out`` and the natural-log LSE (token-major ``[Tq, H]``). Key blocks fully
+visible to every row run without masks; only the blocks on the causal diagonal or
+past the sequence end are masked.
 
 Triton arrays need power-of-two sizes, so the q/k head (192 for DeepSeek) is
 split into a power-of-two main part and a power-of-two rest (128 + 64) and the
@@ -14,6 +15,7 @@ score is the sum of two dots. The extra last grid slot writes ``out = 0`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
+from jax_mla import _softmax
+from jax_mla._common import LOG2E, cdiv, next_pow2
 
 _MIN_TILE = 16  # smallest Triton dot tile
 
@@ -37,7 +40,7 @@ def split_head_dim(d: int) -> tuple[int, int]:
   rest = d - main
   if main < _MIN_TILE or (rest and (rest < _MIN_TILE or rest & (rest - 1))):
     raise ValueError(
-        f"the Pallas kernel needs a q/k head size that is a power of two or a sum of two "
+        f"the Triton kernel needs a q/k head size that is a power of two or a sum of two "
         f"powers of two, each >= {_MIN_TILE} (e.g. 192 = 128 + 64); got {d}")
   return main, rest
 
@@ -104,7 +107,7 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     shift = len_k - len_q
 
     def step(kb, carry, masked):
-      acc, m_prev, l_prev = carry
+      acc, m, l = carry
       cols = kb * block_k + col_ids
       cols_ok = cols < len_k
       k_rows = pl.ds(k_start + kb * block_k, block_k)
@@ -117,19 +120,15 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
         k_rest = plgpu.load(k_ref.at[k_rows, pl.ds(d_main, d_rest)], mask=kmask, other=other)
         s += dot(q_rest, k_rest, trans_b=True)
       s *= scale
+      ok = None
       if masked:
         ok = cols_ok[None, :]
         if causal:
           ok = ok & (cols[None, :] <= rows[:, None] + shift)
-        s = jnp.where(ok, s, -jnp.inf)
-      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-      m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with no key yet
-      alpha = jnp.exp2(m_prev - m_safe)
-      p = jnp.exp2(s - m_safe[:, None])
-      l_next = alpha * l_prev + jnp.sum(p, axis=1)
+      m, l, alpha, p = _softmax.step(m, l, s, ok)
       v = plgpu.load(v_ref.at[k_rows, :], mask=kmask, other=other)
       acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-      return acc, m_next, l_next
+      return acc, m, l
 
     if causal:
       first_row_keys = jnp.minimum(len_k, row0 + shift + 1)  # keys every row sees
@@ -138,35 +137,46 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
       first_row_keys = last_row_keys = len_k
     n_full = lax.div(jnp.maximum(first_row_keys, 0), block_k)
     n_all = lax.div(jnp.maximum(last_row_keys, 0) + block_k - 1, block_k)
-    carry = (jnp.zeros((block_q, d_v), jnp.float32),
-             jnp.full((block_q,), -jnp.inf, jnp.float32),
-             jnp.zeros((block_q,), jnp.float32))
+    carry = (jnp.zeros((block_q, d_v), jnp.float32), *_softmax.init(block_q))
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(n_full, jnp.maximum(n_all, n_full),
                               functools.partial(step, masked=True), carry)
-    has_keys = l > 0.0
-    l_safe = jnp.where(has_keys, l, 1.0)
-    out = jnp.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
-    lse = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, jnp.inf)
-    _store_rows(o_ref, lse_ref, q_start + row0, rows_ok, out, lse)
+    inv, lse = _softmax.finish(m, l)
+    _store_rows(o_ref, lse_ref, q_start + row0, rows_ok, acc * inv[:, None], lse)
 
 
-def mla_prefill_pallas(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
-                       block_q=128, block_k=64, num_warps=8, num_stages=3, interpret=False):
-  """Kernel entry (inputs already validated): ``(out[Tq, H, d_v], lse f32[H, Tq])``.
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Triton prefill kernel (static; changes no result beyond rounding).
 
-  Default tiles were the best of a sweep on an H100 (8 x 4096 tokens, H 128, bf16):
-  323 TFLOP/s causal, 355 non-causal (``benchmarks/bench_mla_prefill.py``).
+  The defaults were the best of a sweep on an H100 (8 x 4096 tokens, H 128, bf16):
+  323 TFLOP/s causal, 355 non-causal (``benchmarks/bench_mla_prefill.py``). Tiles are
+  capped at the next power of two of the longest query / all keys (>= 16).
   """
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < _MIN_TILE or v & (v - 1):
+        raise ValueError(f"Config.{name} must be a power of two >= {_MIN_TILE}; got {v!r}")
+
+
+def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
+                       config: Config, interpret=False):
+  """Kernel entry (inputs already validated): ``(out[Tq, H, d_v], lse f32[Tq, H])``."""
   num_q_tokens, num_heads, d_qk = q.shape
   d_v = v.shape[-1]
   num_seqs = cu_seqlens_q.shape[0] - 1
   d_main, d_rest = split_head_dim(d_qk)
   if num_q_tokens == 0 or k.shape[0] == 0:
     return (jnp.zeros((num_q_tokens, num_heads, d_v), q.dtype),
-            jnp.full((num_heads, num_q_tokens), jnp.inf, jnp.float32))
-  block_q = max(_MIN_TILE, min(block_q, next_pow2(max(max_seqlen_q, 1))))
-  block_k = max(_MIN_TILE, min(block_k, next_pow2(k.shape[0])))
+            jnp.full((num_q_tokens, num_heads), jnp.inf, jnp.float32))
+  block_q = max(_MIN_TILE, min(config.block_q, next_pow2(max(max_seqlen_q, 1))))
+  block_k = max(_MIN_TILE, min(config.block_k, next_pow2(k.shape[0])))
   num_q_blocks = max(1, cdiv(max_seqlen_q, block_q))
   info = _seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
 
@@ -185,13 +195,14 @@ def mla_prefill_pallas(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_
       ],
       out_specs=[
           pl.BlockSpec((num_q_tokens, None, d_v), lambda i, h, b: (0, h, 0)),
-          pl.BlockSpec((None, num_q_tokens), lambda i, h, b: (h, 0)),
+          pl.BlockSpec((num_q_tokens, None), lambda i, h, b: (0, h)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((num_q_tokens, num_heads, d_v), q.dtype),
-          jax.ShapeDtypeStruct((num_heads, num_q_tokens), jnp.float32),
+          jax.ShapeDtypeStruct((num_q_tokens, num_heads), jnp.float32),
       ],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="mla_prefill",
   )(info, q, k, v)

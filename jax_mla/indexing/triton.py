@@ -1,4 +1,4 @@
-"""Pallas (Triton lowering) kernels for the index conversions.
+"""Pallas Triton kernels for the index conversions.
 
 Tiles are contiguous masked slices (``pl.ds``), so rows and columns may have any
 size; block-table reads are masked gathers, so invalid entries are never read.
@@ -6,6 +6,7 @@ size; block-table reads are masked gathers, so invalid entries are never read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,31 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_mla._common import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the index kernels (static; changes no result).
+
+  Attributes:
+    rows, cols: token rows and top-k columns per program of the index conversion
+      (``cols`` is capped at the next power of two of ``topk``; powers of two).
+    chunk: tokens per program step of the page-index expansion (capped at the next
+      power of two of the table's tokens), ``lens_chunk`` lengths per step of its
+      in-kernel prefix sum (powers of two).
+    num_warps: Triton warps per program.
+  """
+  rows: int = 1
+  cols: int = 1024
+  chunk: int = 1024
+  lens_chunk: int = 256
+  num_warps: int = 4
+
+  def __post_init__(self):
+    for name in ("rows", "cols", "chunk", "lens_chunk"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1 or v & (v - 1):
+        raise ValueError(f"Config.{name} must be a positive power of two; got {v!r}")
 
 
 def _convert_kernel(req_ref, bt_ref, tok_ref, out_ref, *, num_tokens, topk, num_reqs,
@@ -34,10 +60,11 @@ def _convert_kernel(req_ref, bt_ref, tok_ref, out_ref, *, num_tokens, topk, num_
 
 
 def convert_req_index_to_global_index(req_id, block_table, token_indices, *, block_size,
-                                      interpret=False, rows=1, cols=1024, num_warps=4):
+                                      config: Config, interpret=False):
   num_tokens, topk = token_indices.shape
   num_reqs, num_blocks = block_table.shape
-  cols = min(cols, pl.next_power_of_2(topk))
+  rows = config.rows
+  cols = min(config.cols, pl.next_power_of_2(topk))
   kernel = functools.partial(
       _convert_kernel, num_tokens=num_tokens, topk=topk, num_reqs=num_reqs,
       num_blocks=num_blocks, block_size=block_size, rows=rows, cols=cols)
@@ -45,7 +72,7 @@ def convert_req_index_to_global_index(req_id, block_table, token_indices, *, blo
       kernel,
       out_shape=jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32),
       grid=(cdiv(num_tokens, rows), cdiv(topk, cols)),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="convert_req_index_to_global_index",
   )(req_id, block_table.reshape(-1), token_indices)
@@ -111,20 +138,20 @@ def _expand_kernel(bt_ref, lens_ref, pages_ref, indptr_ref, *, num_reqs, num_blo
   lax.fori_loop(0, (share + chunk - 1) // chunk, write_tail, 0)
 
 
-def expand_page_indices(block_table, seq_lens, *, kernel_block_size, capacity, interpret=False,
-                        chunk=1024, lens_chunk=256, num_warps=4):
+def expand_page_indices(block_table, seq_lens, *, kernel_block_size, capacity,
+                        config: Config, interpret=False):
   num_reqs, num_blocks = block_table.shape
-  chunk = min(chunk, pl.next_power_of_2(max(num_blocks * kernel_block_size, 1)))
+  chunk = min(config.chunk, pl.next_power_of_2(max(num_blocks * kernel_block_size, 1)))
   kernel = functools.partial(
       _expand_kernel, num_reqs=num_reqs, num_blocks=num_blocks,
       kernel_block_size=kernel_block_size, capacity=capacity, chunk=chunk,
-      lens_chunk=min(lens_chunk, pl.next_power_of_2(num_reqs)))
+      lens_chunk=min(config.lens_chunk, pl.next_power_of_2(num_reqs)))
   return pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((capacity,), jnp.int32),
                  jax.ShapeDtypeStruct((num_reqs + 1,), jnp.int32)),
       grid=(num_reqs, max(1, cdiv(num_blocks * kernel_block_size, chunk))),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="expand_page_indices",
   )(block_table.reshape(-1), seq_lens.astype(jnp.int32))

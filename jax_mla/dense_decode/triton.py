@@ -1,4 +1,4 @@
-"""Pallas (Triton) kernel for dense paged MLA decode: split-KV flash-decoding.
+"""Pallas Triton kernel for dense paged MLA decode: split-KV flash-decoding.
 
 One kernel serves every dense-decode convention (AITER ``mla_decode_fwd``,
 FlashMLA ``flash_mla_with_kvcache``, tpu-inference ragged paged attention).
@@ -15,14 +15,15 @@ tokens of one request that share a KV page list. Per group ``g``:
 MLA shares one latent KV across all heads, so a program takes a block of
 ``block_m`` (query token, head) rows of one group (>= 16 for the MMA) and one
 KV split, streams ``block_n`` keys at a time gathered through the page list,
-and keeps an online softmax in base 2. ``QK^T`` is two power-of-two dots (NoPE
-512 + RoPE 64); ``PV`` reuses the NoPE part of the same rows as V. With one
-split the kernel writes the final output; with more it writes float32 partials
-and their LSE, merged by :func:`combine_splits`.
+and keeps an online softmax in base 2 (:mod:`jax_mla._softmax`). ``QK^T`` is two
+power-of-two dots (NoPE 512 + RoPE 64); ``PV`` reuses the NoPE part of the same
+rows as V. With one split the kernel writes the final output; with more it writes
+float32 partials and their LSE, combined by :func:`jax_mla.merge.combine_splits`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,11 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_mla._common import LN2, LOG2E
-
-D_NOPE = 512
-D_ROPE = 64
-D_QK = D_NOPE + D_ROPE
+from jax_mla import _softmax
+from jax_mla._common import D_NOPE, D_ROPE, LOG2E, cdiv, next_pow2, num_sms
+from jax_mla.merge import combine_splits
 
 
 def _cols(rows, start, size):
@@ -103,28 +102,18 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
     s += lax.dot_general(q_rope, k_rope, nt, preferred_element_type=jnp.float32)
     s *= qk_scale
     ok = k_ok[None, :] & (t[None, :] < row_lim[:, None])
-    s = jnp.where(ok, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked rows so far
-    p = jnp.exp2(s - m_safe[:, None])
-    alpha = jnp.exp2(m_i - m_safe)
-    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    m_i, l_i, alpha, p = _softmax.step(m_i, l_i, s, ok)
     acc = acc * alpha[:, None] + lax.dot_general(
         p.astype(jnp.bfloat16), k_nope, (((1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
   acc = jnp.zeros((block_m, D_NOPE), jnp.float32)
-  m_i = jnp.full((block_m,), -jnp.inf, jnp.float32)
-  l_i = jnp.zeros((block_m,), jnp.float32)
+  m_i, l_i = _softmax.init(block_m)
   acc, m_i, l_i = lax.fori_loop(0, num_iters, body, (acc, m_i, l_i))
-
-  empty = l_i == 0.0
-  inv = jnp.where(empty, 0.0, v_scale / jnp.where(empty, 1.0, l_i))
+  # Empty rows: out 0, lse +inf (a partial that weighs nothing in the combine).
+  inv, lse = _softmax.finish(m_i, l_i, v_scale=v_scale)
   out = acc * inv[:, None]
-  lse = (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2
-  # Partials mark empty splits -inf (weight 0); the final result uses +inf.
-  lse = jnp.where(empty, jnp.inf if num_splits == 1 else -jnp.inf, lse)
   # Masked rows point past the end: interpret mode scatters every index (even
   # masked ones, rewriting the old value), so they must not alias a live row.
   out_rows = jnp.where(row_ok, split * num_rows + rows, num_splits * num_rows)
@@ -132,48 +121,45 @@ def _decode_kernel(meta_ref, page_ids_ref, scales_ref, q_ref, kv_ref, o_ref, lse
   plgpu.store(lse_ref.at[out_rows], lse, mask=row_ok)
 
 
-def combine_splits(out_parts: jax.Array, lse_parts: jax.Array, out_dtype):
-  """Merges per-split results (flash-decoding reduce) by their LSE.
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Triton decode kernel (static; changes no result beyond rounding).
 
-  ``out_parts`` ``[S, R, 512]`` float32 (each normalised over its split),
-  ``lse_parts`` ``[S, R]`` with ``-inf`` for empty splits. Returns
-  ``(out [R, 512] out_dtype, lse [R])``; rows empty in every split get 0 and ``+inf``.
+  Attributes:
+    block_m: (query token, head) rows per program, a power of two >= 16.
+    block_n: keys per step, a power of two >= 16.
+    num_warps, num_stages: Triton launch parameters.
+    num_splits: KV splits per row tile; ``None`` picks :func:`default_num_splits`.
   """
-  m = jnp.max(lse_parts, axis=0)
-  empty = m == -jnp.inf
-  w = jnp.exp(lse_parts - jnp.where(empty, 0.0, m)[None])
-  total = jnp.sum(w, axis=0)
-  inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
-  out = jnp.einsum("sr,srd->rd", w, out_parts) * inv[:, None]
-  lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
-  return out.astype(out_dtype), lse
+  block_m: int = 64
+  block_n: int = 32
+  num_warps: int = 8
+  num_stages: int = 2
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 16 or v & (v - 1):
+        raise ValueError(f"Config.{name} must be a power of two >= 16; got {v!r}")
+    if self.num_splits is not None and (not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise ValueError(f"Config.num_splits must be None or an int >= 1; got {self.num_splits!r}")
 
 
-def default_block_m(rows_per_group: int) -> int:
-  """Rows (query token x head) per program: 64, or fewer (>= 16) for small groups."""
-  return max(16, min(64, 1 << max(0, rows_per_group - 1).bit_length()))
+def default_config(rows_per_group: int) -> Config:
+  """The heuristic for groups of up to ``rows_per_group`` (query token, head) rows.
 
-
-def num_sms() -> int:
-  try:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0)) or 132
-  except Exception:  # noqa: BLE001 - any backend without the attribute
-    return 132
-
-
-def default_config(block_m: int) -> tuple[int, int, int]:
-  """``(block_n, num_warps, num_stages)`` for a row tile.
-
-  64-row tiles keep a 64x512 float32 accumulator (8 warps) and the 64x576 query
-  in shared memory, so their key blocks are 32 rows to stay under the H100's
-  227 KiB. Small (memory-bound) tiles stream 32-key blocks three deep: on an
-  H100, b132 h16 seqlen 8192 ran at 2.61 TB/s this way and 1.59 TB/s with
-  64-key blocks two deep.
+  Rows per program: 64, or fewer (>= 16) for small groups. 64-row tiles keep a
+  64x512 float32 accumulator (8 warps) and the 64x576 query in shared memory, so
+  their key blocks are 32 rows to stay under the H100's 227 KiB. Small
+  (memory-bound) tiles stream 32-key blocks three deep: on an H100, b132 h16
+  seqlen 8192 ran at 2.61 TB/s this way and 1.59 TB/s with 64-key blocks two deep.
   """
+  block_m = max(16, min(64, next_pow2(rows_per_group)))
   if block_m >= 64:
-    return 32, 8, 2
-  return 32, 4, 3
+    return Config(block_m=block_m, block_n=32, num_warps=8, num_stages=2)
+  return Config(block_m=block_m, block_n=32, num_warps=4, num_stages=3)
 
 
 def default_num_splits(num_programs: int, avg_kv_len: float, *, block_m: int,
@@ -190,14 +176,26 @@ def default_num_splits(num_programs: int, avg_kv_len: float, *, block_m: int,
   return int(max(1, min(want, cap, 64)))
 
 
+def with_defaults(config: Config | None, *, num_kv_splits: int | None, rows_per_group: int,
+                  num_groups: int, avg_kv_len: float) -> Config:
+  """``config`` (``None``: :func:`default_config`) with ``num_splits`` set: the op's
+  ``num_kv_splits`` when given, else the config's, else :func:`default_num_splits`."""
+  config = config or default_config(rows_per_group)
+  if num_kv_splits is not None:
+    return dataclasses.replace(config, num_splits=num_kv_splits)
+  if config.num_splits is not None:
+    return config
+  programs = num_groups * cdiv(rows_per_group, config.block_m)
+  return dataclasses.replace(config, num_splits=default_num_splits(
+      programs, avg_kv_len, block_m=config.block_m, block_n=config.block_n))
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("h_q", "rows_per_group", "page_size", "causal", "num_splits",
-                     "block_m", "block_n", "num_warps", "num_stages", "out_dtype",
+    static_argnames=("h_q", "rows_per_group", "page_size", "causal", "config", "out_dtype",
                      "interpret"))
 def paged_mla_decode(q2d, kv2d, meta, page_ids, scales, *, h_q, rows_per_group, page_size,
-                     causal, num_splits, block_m, block_n, num_warps, num_stages,
-                     out_dtype, interpret):
+                     causal, config: Config, out_dtype, interpret):
   """Runs the kernel over query groups. See the module docstring.
 
   Args:
@@ -207,17 +205,19 @@ def paged_mla_decode(q2d, kv2d, meta, page_ids, scales, *, h_q, rows_per_group, 
     page_ids: ``i32[N]`` page ids indexed by ``page_base + t // page_size``.
     scales: ``f32[2]``: ``sm_scale*q_scale*k_scale*log2(e)`` and ``v_scale``.
     rows_per_group: static bound on ``q_len * h_q`` of any group.
+    config: the tuning, ``num_splits`` set.
 
   Returns:
     ``(out [T*h_q, 512] out_dtype, lse f32[T*h_q])``. Rows of tokens outside
     every group are not written (undefined).
   """
+  block_m, num_splits = config.block_m, config.num_splits
   num_rows = q2d.shape[0]
   num_groups = meta.shape[1]
   num_mtiles = pl.cdiv(rows_per_group, block_m)
   final = num_splits == 1
   kernel = functools.partial(
-      _decode_kernel, h_q=h_q, num_rows=num_rows, block_m=block_m, block_n=block_n,
+      _decode_kernel, h_q=h_q, num_rows=num_rows, block_m=block_m, block_n=config.block_n,
       page_size=page_size, num_pages=kv2d.shape[0] // page_size,
       num_page_ids=page_ids.shape[0], num_splits=num_splits, causal=causal)
   o_dtype = out_dtype if final else jnp.float32
@@ -227,7 +227,8 @@ def paged_mla_decode(q2d, kv2d, meta, page_ids, scales, *, h_q, rows_per_group, 
                  jax.ShapeDtypeStruct((num_splits * num_rows,), jnp.float32)),
       # Row tiles of one group are adjacent in launch order: they share KV in L2.
       grid=(num_mtiles, num_splits, num_groups),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
   )(meta, page_ids, scales, q2d, kv2d)
   if final:

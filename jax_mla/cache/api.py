@@ -1,0 +1,131 @@
+"""KV-cache writer: ``concat_and_cache_mla`` (vLLM's op) for every cache format.
+
+The XLA path quantizes all tokens with the format's codec and scatters the rows
+with ``mode="drop"``; the Triton path (fp8_ds_mla, fp8_model1) quantizes and
+writes in one kernel, in place through ``input_output_aliases``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_mla._common import (
+  Implementation,
+  as_int32,
+  check_config,
+  check_rank,
+  check_values,
+  resolve_implementation,
+)
+from jax_mla.cache import triton
+from jax_mla.cache.formats import check_cache, resolve
+from jax_mla.cache.layout import Format, check_float
+
+
+def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, config, interpret):
+  num_tokens = slot_mapping.shape[0]
+  kv_c, k_pe = kv_c[:num_tokens], k_pe[:num_tokens].astype(kv_c.dtype)
+  x = jnp.concatenate([kv_c, k_pe], axis=-1)
+  if config is None:
+    return fmt.write(kv_cache, x, slot_mapping, scale)
+  # The kernel quantizes the leading columns of its input and stores the RoPE bytes
+  # as given: V3.2 reads kv_c itself (no concatenated copy), V4 its whole latent.
+  num_tiles, tile = triton.tiles(fmt)
+  quantized = kv_c if kv_c.shape[1] >= num_tiles * tile else x
+  return triton.write_quantized(quantized, x[:, -fmt.rope:], kv_cache, slot_mapping, fmt=fmt,
+                                config=config, interpret=interpret)
+
+
+_STATIC = ("fmt", "config", "interpret")
+_concat_and_cache = jax.jit(_write, static_argnames=_STATIC)
+# The caller asked to give its buffer up: the write is in place even outside a jit.
+_concat_and_cache_donated = jax.jit(_write, static_argnames=_STATIC, donate_argnums=(2,))
+
+
+def _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt: Format) -> None:
+  check_cache(kv_cache, fmt)
+  check_rank("kv_c", kv_c, 2)
+  check_rank("k_pe", k_pe, 2)
+  check_float("kv_c", kv_c)
+  check_float("k_pe", k_pe)
+  check_rank("slot_mapping", slot_mapping, 1)
+  num_tokens = kv_c.shape[0]
+  if k_pe.shape[0] != num_tokens:
+    raise ValueError(f"k_pe must have {num_tokens} rows like kv_c; got shape {list(k_pe.shape)}")
+  if slot_mapping.shape[0] > num_tokens:
+    raise ValueError(f"slot_mapping must have at most {num_tokens} entries (one per token of "
+                     f"kv_c); got shape {list(slot_mapping.shape)}")
+  widths = (kv_c.shape[1], k_pe.shape[1])
+  allowed = fmt.input_widths(kv_cache)
+  if allowed is None:
+    if sum(widths) != kv_cache.shape[2]:
+      raise ValueError(
+          f"kv_c and k_pe widths must add up to the {fmt.name!r} cache width "
+          f"{kv_cache.shape[2]}; got kv_c {list(kv_c.shape)} and k_pe {list(k_pe.shape)}")
+    return
+  if widths not in allowed:
+    want = " or ".join(f"kv_c [T, {a}] with k_pe [T, {b}]" for a, b in allowed)
+    raise ValueError(f"{fmt.name!r} cache needs {want}; "
+                     f"got kv_c {list(kv_c.shape)} and k_pe {list(k_pe.shape)}")
+
+
+def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
+                         slot_mapping: jax.Array, *, kv_cache_dtype: str = "auto", scale=None,
+                         implementation: Implementation = None, interpret: bool = False,
+                         config: triton.Config | None = None, donate: bool = False,
+                         checks: bool = False) -> jax.Array:
+  """Writes each token's latent ``[kv_c | k_pe]`` into the paged MLA cache (vLLM op).
+
+  Token ``t`` goes to slot ``slot_mapping[t]`` = block ``slot // block_size``,
+  offset ``slot % block_size``. Tokens whose slot is ``< 0`` (padding) or
+  ``>= num_blocks * block_size`` are skipped; every other byte of the cache is
+  left as it was. Two tokens with the same slot write in an unspecified order.
+
+  Args:
+    kv_c: ``[T, 512]`` compressed latent (``[T, 448]`` NoPE part for
+      ``"fp8_model1"``, or the whole ``[T, 512]`` V4 latent with a ``[T, 0]``
+      ``k_pe``), bf16/f16/f32. NaN values are stored as NaN and do not change the
+      scale of their tile (the CUDA writers' rule).
+    k_pe: ``[T, 64]`` RoPE part (already rotated).
+    kv_cache: ``[num_blocks, block_size, *]`` cache in format ``kv_cache_dtype``
+      (see :mod:`jax_mla.cache.formats`). Use the returned array afterwards. Under
+      ``jax.jit`` the write is in place when the jitted function donates the cache;
+      an eager call leaves ``kv_cache`` as it was (a copy is written) unless
+      ``donate=True``.
+    slot_mapping: integer ``[S]`` (cast to int32), ``S <= T``; tokens past ``S`` are
+      not written (vLLM's padded-batch convention).
+    kv_cache_dtype: ``"auto"``, ``"fp8"``, ``"fp8_ds_mla"`` or ``"fp8_model1"``.
+    scale: per-tensor float32 scale of ``"fp8"`` (default 1.0). Other formats
+      carry their own scales and ignore it (vLLM passes one regardless).
+    implementation: ``None``, ``"triton"`` (old name ``"pallas"``) or ``"xla"``. The
+      Triton kernel covers ``"fp8_ds_mla"`` and ``"fp8_model1"``; ``"auto"``/``"fp8"``
+      writes are a plain XLA scatter on every path.
+    interpret: run the Triton kernel in the interpreter (CPU tests).
+    config: a :class:`jax_mla.cache.triton.Config` for the Triton kernel (``None``:
+      the default); ignored where no kernel runs.
+    donate: give ``kv_cache``'s buffer to the write in an eager call (in place; the
+      caller's array is deleted). Inside ``jax.jit`` it changes nothing.
+    checks: also check values shapes cannot show (``slot_mapping`` entries past the
+      cache); see :func:`jax_mla._common.check_values`.
+
+  Returns:
+    The updated cache, same shape and dtype as ``kv_cache``.
+  """
+  fmt = resolve(kv_cache_dtype)
+  slot_mapping = as_int32("slot_mapping", slot_mapping)
+  _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt)
+  implementation = resolve_implementation(implementation, interpret)
+  config = check_config(config, triton.Config, implementation)
+  if implementation == "triton" and triton.supports(fmt):
+    config = config or triton.default_config()
+  else:
+    config = None  # no kernel runs: the XLA writer
+  capacity = kv_cache.shape[0] * kv_cache.shape[1]
+  check_values(checks, (slot_mapping < capacity,
+                        f"slot_mapping must be < num_blocks * block_size = {capacity} "
+                        "(negative skips a token); got max {got}",
+                        dict(got=jnp.max(slot_mapping, initial=-1))))
+  write = _concat_and_cache_donated if donate else _concat_and_cache
+  return write(kv_c, k_pe, kv_cache, slot_mapping, fmt.scale_arg(scale), fmt=fmt, config=config,
+               interpret=interpret)
