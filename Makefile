@@ -36,15 +36,19 @@ demo: $(VENV)/.package
 test: install
 	JAX_PLATFORMS=cpu $(VPY) -m pytest -q -n 2 tests
 
-# GPU suite (one GPU: one pytest process; compiled kernels persist in .jax_cache/ between
-# runs): the same tests compiled for the GPU, plus the @pytest.mark.gpu ones. The bridge's
-# CPU-tensor tests stay on the CPU suite (on a GPU machine `implementation=None` picks a
-# GPU kernel for them); its GPU tests run here.
+# GPU suite: the same tests compiled for the GPU, plus the @pytest.mark.gpu ones. Compiled
+# programs persist in .jax_cache/ (tests/conftest.py), so a second run skips most compiles.
+# One pytest process by default (one GPU); GPU_WORKERS=N runs N processes that share the
+# GPU without preallocating its memory (compiles run in parallel on the CPU cores).
+# The bridge's CPU-tensor tests stay on the CPU suite (on a GPU machine
+# `implementation=None` picks a GPU kernel for them); its GPU tests run here.
+GPU_WORKERS ?= 1
+GPU_PYTEST = JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(if $(filter-out 1,$(GPU_WORKERS)),\
+  XLA_PYTHON_CLIENT_PREALLOCATE=false) $(RUN_PY) -m pytest -q \
+  $(if $(filter-out 1,$(GPU_WORKERS)),-n $(GPU_WORKERS))
 test-gpu:
-	JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(RUN_PY) -m pytest -q tests \
-	  --ignore=tests/test_torch_bridge.py
-	JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(RUN_PY) -m pytest -q \
-	  tests/test_torch_bridge.py -m gpu
+	$(GPU_PYTEST) tests --ignore=tests/test_torch_bridge.py
+	$(GPU_PYTEST) tests/test_torch_bridge.py -m gpu
 
 # GPU benchmarks: every benchmarks/bench_*.py, a per-module time budget, under 10 minutes.
 bench:

@@ -4,7 +4,7 @@ The kernels are tiny, so a loop of calls measures host dispatch: the JAX figure
 is one jitted call, the torch figure adds the DLPack hand-offs and the stream
 fences. Also times bare ``to_jax`` / ``to_torch`` per tensor.
 
-  PYTHONPATH=$PWD python3 -m benchmarks.bench_bridge_overhead [--impl pallas|xla]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_bridge_overhead [--impl triton|xla]
 
 ``run()`` reports each op from torch against the same op from JAX (ratio = JAX /
 torch time, so 1.0 means the bridge adds nothing) and the bare conversions.
@@ -147,7 +147,7 @@ def run(impl=None, calls=2000, reps=7) -> list[Row]:
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--impl", default=None, choices=[None, "pallas", "xla"])
+  p.add_argument("--impl", default=None, choices=[None, "triton", "xla"])
   args = p.parse_args()
   rows, t_to_jax, t_to_torch, prims = measure(args.impl)
   dev = "cuda" if torch.cuda.is_available() else "cpu"

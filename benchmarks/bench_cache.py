@@ -1,4 +1,4 @@
-"""Cache writer (``concat_and_cache_mla``): Pallas kernel against the XLA reference.
+"""Cache writer (``concat_and_cache_mla``): Triton kernel against the XLA reference.
 
 Memory-bound: the figure is (latent bytes read + cache bytes written) / time,
 against device-to-device copy bandwidth (3.0 TB/s on the H100, BENCHMARKS.md).
@@ -39,14 +39,14 @@ def _inputs(rng, fmt, num_tokens, capacity, *, skip=True):
 
 def check(fmt: str, num_tokens: int = 4096, num_blocks: int = 512, block_size: int = 64,
           seed: int = 0) -> int:
-  """Pallas vs XLA on one random write into a random-byte cache; returns mismatching bytes."""
+  """Triton vs XLA on one random write into a random-byte cache; returns mismatching bytes."""
   rng = np.random.default_rng(seed)
   shape = kv_cache_shape(num_blocks, block_size, _head(fmt), fmt)
   before = rng.integers(0, 256, size=shape, dtype=np.uint8)
   kv_c, k_pe, slots = _inputs(rng, fmt, num_tokens, num_blocks * block_size)
   outs = [np.asarray(concat_and_cache_mla(kv_c, k_pe, jnp.asarray(before), slots,
                                           kv_cache_dtype=fmt, implementation=impl))
-          for impl in ("pallas", "xla")]
+          for impl in ("triton", "xla")]
   return int((outs[0] != outs[1]).sum())
 
 
@@ -79,7 +79,7 @@ CONFIGS = [(fmt, T, nb) for fmt in ("fp8_ds_mla", "fp8_model1")
            for T, nb in ((128, 4096), (4096, 512), (4096, 4096), (16384, 4096))]
 
 
-def run(configs=CONFIGS, impls=("pallas", "xla")) -> list[Row]:
+def run(configs=CONFIGS, impls=("triton", "xla")) -> list[Row]:
   rng = np.random.default_rng(0)
   dev = device_name()
   rows = []

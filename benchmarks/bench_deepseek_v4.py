@@ -33,6 +33,7 @@ import numpy as np
 from benchmarks.harness import Row, device_name, print_table, time_us
 from jax_mla.backends import deepseek_v4 as v4
 from jax_mla.backends import deepseek_v4_indices as idx
+from jax_mla.backends import split_decodes_and_prefills
 from jax_mla.cache import quantize_fp8_model1_cache
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
@@ -100,7 +101,7 @@ def build(case: Case, num_sets: int):
   topk = jnp.argsort(jax.random.uniform(k3, (t, n_visible)), axis=1)[:, :case.index_topk]
   topk = topk.astype(jnp.int32)
   sink = jax.random.normal(k4, (case.num_heads,), jnp.float32)
-  counts = v4.split_decodes_and_prefills(qsl, decode_threshold=2 if case.decode else 1)
+  counts = split_decodes_and_prefills(qsl, decode_threshold=2 if case.decode else 1)
   md = v4.build_deepseek_v4_metadata(
       cfg, qsl, jnp.asarray(seq_lens), jnp.asarray(slot_mapping), jnp.asarray(swa_bt),
       jnp.asarray(cbt), num_decodes=counts[0], num_decode_tokens=counts[2])

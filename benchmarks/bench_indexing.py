@@ -8,9 +8,10 @@ import numpy as np
 
 from benchmarks.harness import Row, device_name, n_sets, time_us
 from jax_mla.indexing import convert_req_index_to_global_index, expand_page_indices
+from jax_mla.indexing.triton import Config
 
 
-def run(implementation: str = "pallas") -> list[Row]:
+def run(implementation: str = "triton") -> list[Row]:
   rng = np.random.default_rng(0)
   dev = device_name()
   rows = []
@@ -48,8 +49,7 @@ def run(implementation: str = "pallas") -> list[Row]:
 
 
 def sweep() -> None:
-  """Tile-shape sweep of both kernels (for tuning; prints one line a variant)."""
-  from jax_mla.indexing import pallas as kernels
+  """Tile-shape ``Config`` sweep of both kernels (for tuning; prints one line a variant)."""
   rng = np.random.default_rng(1)
   T, K, bs, R, B = 4096, 2048, 64, 64, 512
   sets = [(jnp.asarray(rng.integers(0, R, T), jnp.int32),
@@ -57,16 +57,17 @@ def sweep() -> None:
            jnp.asarray(rng.integers(-1, B * bs, (T, K)), jnp.int32)) for _ in range(8)]
   for rows, cols, warps in [(1, 1024, 4), (1, 2048, 8), (2, 1024, 4), (4, 512, 4), (8, 256, 4),
                             (4, 1024, 8), (8, 512, 8), (16, 256, 8)]:
-    us = time_us(lambda r, b, t, rows=rows, cols=cols, warps=warps:
-                 kernels.convert_req_index_to_global_index(
-                     r, b, t, block_size=bs, rows=rows, cols=cols, num_warps=warps), sets)
+    cfg = Config(rows=rows, cols=cols, num_warps=warps)
+    us = time_us(jax.jit(lambda r, b, t, cfg=cfg: convert_req_index_to_global_index(
+        r, b, t, block_size=bs, config=cfg, implementation="triton")), sets)
     print(f"convert rows {rows} cols {cols} warps {warps}: {us:.1f} us")
   R, L, Kb = 256, 8192, 16
   sets = [(jnp.asarray(rng.integers(0, 1 << 16, (R, L // Kb)), jnp.int32),
            jnp.full((R,), L, jnp.int32)) for _ in range(8)]
   for chunk, warps in [(256, 4), (512, 4), (1024, 4), (2048, 8), (4096, 8), (8192, 8)]:
-    us = time_us(lambda b, n, chunk=chunk, warps=warps: kernels.expand_page_indices(
-        b, n, kernel_block_size=Kb, capacity=R * L, chunk=chunk, num_warps=warps), sets)
+    cfg = Config(chunk=chunk, num_warps=warps)
+    us = time_us(jax.jit(lambda b, n, cfg=cfg: expand_page_indices(
+        b, n, kernel_block_size=Kb, capacity=R * L, config=cfg, implementation="triton")), sets)
     print(f"expand chunk {chunk} warps {warps}: {us:.1f} us")
   for row in run(implementation="xla"):
     print(f"xla reference: {row.op} {row.config}: {row.time_us:.1f} us")

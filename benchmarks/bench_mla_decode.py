@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
-from jax_mla.dense_decode import api, mla_decode, mla_decode_paged, mosaic
-from jax_mla.dense_decode import pallas as kern
+from jax_mla import _mosaic
+from jax_mla._common import num_sms
+from jax_mla.dense_decode import mla_decode, mla_decode_paged, mosaic, triton
 
 D = 576
 
@@ -59,7 +60,7 @@ def correctness():
     q, cache, bt, seqs = _paged_inputs(key, b, s_q, h_q, seqlen, bs, varlen=True, nan_tail=True)
     name = f"paged b{b} s_q{s_q} h{h_q} len<={seqlen} bs{bs} causal={causal}"
     try:
-      o, l = mla_decode_paged(q, cache, bt, seqs, causal=causal, implementation="pallas")
+      o, l = mla_decode_paged(q, cache, bt, seqs, causal=causal, implementation="triton")
       ro, rl = mla_decode_paged(q, cache, bt, seqs, causal=causal, implementation="xla")
       lerr = float(np.nanmax(np.abs(np.asarray(l) - np.asarray(rl))))
       rows.append((name, rel_err(o, ro), lerr))
@@ -86,13 +87,13 @@ def correctness():
     name = f"aiter b{b} s_q{s_q} h{h_q} ps1 splits={splits} fp8={fp8}"
     try:
       o, l = mla_decode(q, cache, qo, kv_indptr, kv_indices, last, num_kv_splits=splits,
-                        implementation="pallas", **kw)
+                        implementation="triton", **kw)
       ro, rl = mla_decode(q, cache, qo, kv_indptr, kv_indices, last, implementation="xla", **kw)
       rows.append((name, rel_err(o, ro), float(np.max(np.abs(np.asarray(l) - np.asarray(rl))))))
     except Exception as e:  # noqa: BLE001 - report every case
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
       rows.append((name, float("inf"), float("inf")))
-  print("\n== correctness (pallas vs xla reference) ==")
+  print("\n== correctness (triton vs xla reference) ==")
   ok = True
   for name, e, le in rows:
     good = e < 1e-2 and le < 1e-3
@@ -142,8 +143,8 @@ def run(cases=CASES) -> list[Row]:
   for case in cases:
     sets, flops, kv_bytes = _case_sets(case)
     ref = mla_decode_paged(*sets[0], implementation="xla")
-    impls = ["pallas"]
-    if mosaic.default_for(sets[0][0], sets[0][1], causal=False):
+    impls = ["triton"]
+    if _mosaic.default_for(mosaic.check_supported, sets[0][0], sets[0][1], causal=False):
       impls.append("mosaic")
     for impl in impls:
       fn = jax.jit(functools.partial(mla_decode_paged, implementation=impl))
@@ -157,41 +158,35 @@ def run(cases=CASES) -> list[Row]:
 
 
 def sweep(cases=CASES):
-  """Tile configurations of the kernel entry on each row (for tuning; prints a line each)."""
-  print(f"\n== tile sweep ({device_name()}, SMs {kern.num_sms()}) ==")
+  """Triton ``Config``s of the public op on each row (for tuning; prints a line each)."""
+  print(f"\n== tile sweep ({device_name()}, SMs {num_sms()}) ==")
   for case in cases:
     sets, flops, kv_bytes = _case_sets(case)
-    h_q, s_q, bs = case.h_q, case.s_q, case.block_size
-    rows_per_group = s_q * h_q
-    scales = kern.kernel_scales(D**-0.5)
-    kern_sets = [(q.reshape(-1, D), c.reshape(-1, D),
-                  api.paged_groups(bt, s, s_q=s_q, page_size=bs), bt.reshape(-1), scales)
-                 for q, c, bt, s in sets]
-    auto_bm = kern.default_block_m(rows_per_group)
-    auto_bn, auto_w, auto_st = kern.default_config(auto_bm)
-    auto_s = kern.default_num_splits(case.b * -(-rows_per_group // auto_bm), case.seqlen,
-                                     block_m=auto_bm, block_n=auto_bn)
-    configs = [(auto_bm, auto_bn, auto_w, auto_st, auto_s)]
-    if auto_bm >= 64:
-      configs += [(64, 64, 8, 1, auto_s), (64, 32, 8, 3, auto_s), (32, 64, 4, 2, auto_s),
-                  (64, 32, 8, 2, 2 * auto_s)]
+    rows_per_group = case.s_q * case.h_q
+    auto = triton.with_defaults(None, num_kv_splits=None, rows_per_group=rows_per_group,
+                                num_groups=case.b,
+                                avg_kv_len=sets[0][2].shape[1] * case.block_size)
+    s = auto.num_splits
+    configs = [auto]
+    if auto.block_m >= 64:
+      configs += [triton.Config(64, 64, 8, 1, s), triton.Config(64, 32, 8, 3, s),
+                  triton.Config(32, 64, 4, 2, s), triton.Config(64, 32, 8, 2, 2 * s)]
     else:
-      configs += [(16, 64, 4, 2, auto_s), (16, 64, 4, 3, auto_s), (16, 64, 4, 2, 2 * auto_s),
-                  (16, 32, 4, 3, 4 * auto_s), (16, 128, 4, 1, auto_s)]
-    for bm, bn, nw, ns, splits in configs:
-      fn = functools.partial(
-          kern.paged_mla_decode, h_q=h_q, rows_per_group=rows_per_group, page_size=bs,
-          causal=False, num_splits=splits, block_m=bm, block_n=bn, num_warps=nw,
-          num_stages=ns, out_dtype=jnp.bfloat16, interpret=False)
+      configs += [triton.Config(16, 64, 4, 2, s), triton.Config(16, 64, 4, 3, s),
+                  triton.Config(16, 64, 4, 2, 2 * s), triton.Config(16, 32, 4, 3, 4 * s),
+                  triton.Config(16, 128, 4, 1, s)]
+    for cfg in configs:
+      fn = jax.jit(functools.partial(mla_decode_paged, config=cfg, implementation="triton"))
+      name = (f"bm{cfg.block_m:3d} bn{cfg.block_n:3d} w{cfg.num_warps} st{cfg.num_stages} "
+              f"S{cfg.num_splits:2d}")
       try:
-        us = time_us(fn, kern_sets)
+        us = time_us(fn, sets)
       except Exception as e:  # noqa: BLE001 - report and go on with the sweep
-        print(f"{case.name} bm{bm} bn{bn} w{nw} st{ns} S{splits}: FAILED {type(e).__name__}: "
-              f"{str(e)[:200]}")
+        print(f"{case.name} {name}: FAILED {type(e).__name__}: {str(e)[:200]}")
         continue
-      print(f"{case.name:30s} bm{bm:3d} bn{bn:3d} w{nw} st{ns} S{splits:2d}: {us:8.1f} us "
+      print(f"{case.name:30s} {name}: {us:8.1f} us "
             f"{flops / us / 1e6:6.1f} TFLOP/s {kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
-    del sets, kern_sets
+    del sets
 
 
 def memcheck_case():

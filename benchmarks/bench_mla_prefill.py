@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import Row, device_name, print_table, rel_err, time_us
-from jax_mla.dense_prefill import mla_prefill
-from jax_mla.dense_prefill.kernel import mla_prefill_pallas
+from jax_mla.dense_prefill import mla_prefill, triton
 
 D_QK, D_V = 192, 128
 # Calls take milliseconds, so dispatch does not matter and the inputs (GBs) overflow
@@ -44,7 +43,7 @@ def _inputs(len_q, len_k, heads, seed=0, tail_q=0):
 
 
 def check() -> bool:
-  """Pallas vs the XLA reference on ragged batches; prints a line each, returns all-OK."""
+  """Triton vs the XLA reference on ragged batches; prints a line each, returns all-OK."""
   rows = []
   for len_q, len_k, heads in [([700, 1, 0, 333, 1024], [900, 1, 5, 333, 1024], 8),
                               ([2048, 17], [2048, 4000], 16)]:
@@ -52,7 +51,7 @@ def check() -> bool:
     for causal in (True, False):
       kw = dict(max_seqlen_q=max(len_q), max_seqlen_k=max(len_k), sm_scale=D_QK**-0.5,
                 causal=causal, return_lse=True)
-      out, lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="pallas", **kw)
+      out, lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="triton", **kw)
       ref, ref_lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="xla", **kw)
       rows.append((f"lens_q={len_q} lens_k={len_k} H={heads} causal={causal}",
                    rel_err(out, ref), rel_err(lse, ref_lse)))
@@ -112,29 +111,28 @@ def run(cases=CASES, *, anchor: bool = True) -> list[Row]:
 
 
 def sweep(cases=CASES, budget_s: float = 150.0):
-  """Tile configurations of the kernel entry (for tuning; prints a line each)."""
+  """Triton ``Config``s of the public op (for tuning; prints a line each)."""
   t0 = time.time()
-  configs = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
-             (128, 128, 8, 2), (64, 32, 4, 2)]
+  configs = [triton.Config(*c) for c in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3),
+                                         (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]]
   for case in cases:
     sets = _case_sets(case)
     flops = _flops(case.len_q, case.len_k, case.heads, case.causal)
-    for bq, bk, warps, stages in configs:
+    for cfg in configs:
       if time.time() - t0 > budget_s:
         print("  (time budget reached, sweep cut)")
         return
-      fn = lambda q, k, v, cu_q, cu_k, bq=bq, bk=bk, warps=warps, stages=stages, case=case: (
-          mla_prefill_pallas(q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q),
-                             sm_scale=D_QK**-0.5, causal=case.causal, block_q=bq, block_k=bk,
-                             num_warps=warps, num_stages=stages))
+      fn = lambda q, k, v, cu_q, cu_k, cfg=cfg, case=case: mla_prefill(
+          q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q), max_seqlen_k=max(case.len_k),
+          sm_scale=D_QK**-0.5, causal=case.causal, config=cfg, implementation="triton")
+      name = f"bq={cfg.block_q} bk={cfg.block_k} w={cfg.num_warps} s={cfg.num_stages}"
       try:
         us = time_us(fn, sets, reps=10)
       except Exception as e:  # noqa: BLE001 - report and continue the sweep
-        print(f"  {case.name} bq={bq} bk={bk} w={warps} s={stages}: FAILED "
-              f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"  {case.name} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
         continue
-      print(f"  {case.name} bq={bq} bk={bk} w={warps} s={stages}: {us / 1e3:.2f} ms "
-            f"{flops / us / 1e6:.0f} TFLOP/s", flush=True)
+      print(f"  {case.name} {name}: {us / 1e3:.2f} ms {flops / us / 1e6:.0f} TFLOP/s",
+            flush=True)
     del sets
 
 

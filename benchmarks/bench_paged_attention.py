@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, time_us
 from jax_mla.paged import paged_attention
-from jax_mla.paged.pallas import paged_attention_pallas
-from jax_mla.paged.reference import key_view, value_view
+from jax_mla.paged.triton import Config
 
 COPY_TBS = 3.0
 
@@ -84,22 +82,11 @@ WORKLOADS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_fn(block_n, num_warps, num_stages, splits, window, with_sinks, k_scale):
-  def f(q, kc, vc, bt, sl, sinks):
-    return paged_attention_pallas(
-        q, key_view(kc), value_view(vc, dim_major=True), bt, sl, scale=q.shape[-1] ** -0.5,
-        k_scale=k_scale, v_scale=k_scale, sinks=sinks if with_sinks else None,
-        alibi_slopes=None, sliding_window=window, query_start_loc=None, out_scale=None,
-        num_kv_splits=splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-  return f
-
-
-def public_fn(w: Workload):
+def public_fn(w: Workload, config: Config | None = None):
   def f(q, kc, vc, bt, sl, sinks):
     return paged_attention(q, kc, vc, bt, sl, scale=q.shape[-1] ** -0.5, k_scale=w.k_scale,
                            v_scale=w.k_scale, sinks=sinks if w.sinks else None,
-                           sliding_window=w.window)
+                           sliding_window=w.window, config=config)
   return f
 
 
@@ -133,10 +120,10 @@ def run(workloads=WORKLOADS) -> list[Row]:
 
 
 def sweep(workloads=WORKLOADS[:3]):
-  """Kernel configurations (block_n, warps, stages, splits) of each workload (for tuning)."""
-  configs = [(64, 4, 2, 1), (64, 4, 3, 1), (64, 4, 4, 1), (64, 8, 3, 1), (128, 4, 2, 1),
-             (128, 4, 3, 1), (128, 8, 3, 1), (32, 4, 3, 1), (32, 4, 4, 1), (64, 4, 3, 2),
-             (128, 4, 3, 2), (32, 4, 4, 2)]
+  """Triton ``Config``s (block_n, warps, stages, splits) of each workload (for tuning)."""
+  configs = [Config(*c) for c in [
+      (64, 4, 2, 1), (64, 4, 3, 1), (64, 4, 4, 1), (64, 8, 3, 1), (128, 4, 2, 1), (128, 4, 3, 1),
+      (128, 8, 3, 1), (32, 4, 3, 1), (32, 4, 4, 1), (64, 4, 3, 2), (128, 4, 3, 2), (32, 4, 4, 2)]]
   for w in workloads:
     args = make_inputs(w.num_seqs, w.seq_len, fp8=w.fp8)
     sets = input_sets(args)
@@ -144,13 +131,14 @@ def sweep(workloads=WORKLOADS[:3]):
     kv_bytes = w.kv_bytes(args[1].dtype.itemsize)
     for cfg in configs:
       try:
-        fn = kernel_fn(*cfg, w.window, w.sinks, w.k_scale)
+        fn = public_fn(w, cfg)
         err = check_close(f"{w.name} {cfg}", jax.jit(fn)(*args)[:ref.shape[0]], ref)
         us = time_us(fn, sets)
       except Exception as e:  # keep sweeping past a config that fails (or is wrong)
         print(f"{w.name} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
-      print(f"{w.name:12s} {str(cfg):20s} rel_err {err:.1e} {us:8.1f} us "
+      name = f"bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} S{cfg.num_splits}"
+      print(f"{w.name:12s} {name:20s} rel_err {err:.1e} {us:8.1f} us "
             f"{kv_bytes / us / 1e6:5.2f} TB/s", flush=True)
     del args, sets
 

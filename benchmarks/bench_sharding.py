@@ -18,8 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.harness import Row, device_name, n_sets, print_table, rel_err, time_us
@@ -72,11 +71,12 @@ DENSE_DECODE = dict(b=128, s_q=1, h=128, seqlen=4096, bs=64)
 SPARSE_PREFILL = dict(s_q=4096, h=128, topk=2048, s_kv=32768)
 
 
-def run(implementation: str = "pallas") -> list[Row]:
+def run(implementation: str = "triton") -> list[Row]:
   dev = device_name()
   n_dev = min(jax.device_count(), 2)
-  mesh_tp = Mesh(np.array(jax.devices()[:n_dev]), ("tp",))
-  mesh_dp = Mesh(np.array(jax.devices()[:n_dev]), ("dp",))
+  # jax.make_mesh (Explicit axes), as a user builds one.
+  mesh_tp = jax.make_mesh((n_dev,), ("tp",), devices=jax.devices()[:n_dev])
+  mesh_dp = jax.make_mesh((n_dev,), ("dp",), devices=jax.devices()[:n_dev])
   key = jax.random.PRNGKey(0)
   rows = []
 

@@ -1,12 +1,14 @@
 """Sparse MLA on the GPU: correctness against the reference, then timing of the BENCHMARKS.md rows.
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_sparse_mla [--check] [--small] [--rows ROWS]
-      [--prefill-configs bh:bk:w:s,...] [--decode-configs ...]
+      [--triton-configs bh:bk:w:s,...] [--mosaic-configs stages:consumer:producer,...]
 
 ``run()`` (used by ``benchmarks.run``) times the public ``sparse_mla_prefill`` /
 ``sparse_mla_decode`` (default tiles) on each FlashMLA row with ``harness.time_us``,
 after checking the timed call against the XLA reference. Given ``--*-configs``, the
-CLI times those tile configurations of the kernel entries instead (for tuning).
+CLI times the public ops with those ``config=`` values instead (for tuning): Triton
+``Config(block_h, block_k, num_warps, num_stages)``, Mosaic GPU ``Config(num_stages,
+consumer_registers, producer_registers)``.
 FLOPs follow FlashMLA: ``2 * tokens * h_q * (topk [+ extra_topk]) * (d_qk + d_v)``.
 """
 
@@ -20,10 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
-from jax_mla.cache.formats import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
-from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
-from jax_mla.sparse_mla.decode_pallas import sparse_mla_decode_pallas
-from jax_mla.sparse_mla.prefill_pallas import KernelConfig, sparse_mla_prefill_pallas
+from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
+from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill, triton
 
 # Prefill calls take milliseconds and their queries alone overflow L2: a few
 # distinct (q, indices) sets sharing the KV rows are enough.
@@ -120,7 +120,7 @@ def check(small=False) -> bool:
     sink = _sink(k[4], h_q)
     kw = dict(sm_scale=d_qk ** -0.5, attn_sink=sink, topk_length=lens)
     ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
-    for impl in ["pallas"] + (["mosaic"] if mosaic.default_for(q) else []):
+    for impl in ["triton"] + (["mosaic"] if mosaic.default_for(q) else []):
       got = sparse_mla_prefill(q, kv, idx, implementation=impl, **kw)
       report(f"prefill[{impl}] d{d_qk} h{h_q} topk{topk}", got, ref, 2)
       ml = rel_err(got[1], ref[1])
@@ -158,7 +158,7 @@ def check(small=False) -> bool:
                                                    eidx, -1))
       kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=elens)
     ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
-    for impl in ["pallas"] + (["mosaic"] if mosaic.default_for(q) else []):
+    for impl in ["triton"] + (["mosaic"] if mosaic.default_for(q) else []):
       got = sparse_mla_decode(q, cache, idx, implementation=impl, **kw)
       report(f"decode[{impl}] {dt} bs{bs} extra{extra}", got, ref, 1)
   return all(r[-1] for r in rows)
@@ -231,14 +231,14 @@ def run(rows=ROWS) -> list[Row]:
       sets, flop = _prefill_sets(spec)
       q, kv, idx, sink = sets[0]
       ref = _prefill_call(spec, implementation="xla")(q[:64], kv, idx[:64], sink)
-      impls = ["pallas"] + (["mosaic"] if mosaic.default_for(q) else [])
+      impls = ["triton"] + (["mosaic"] if mosaic.default_for(q) else [])
       calls = [(f"sparse_mla_prefill[{impl}]", _prefill_call(spec, implementation=impl))
                for impl in impls]
       checked_args = (q[:64], kv, idx[:64], sink)
       lse_at = 2
     else:
       sets, flop = _decode_sets(spec)
-      impls = ["pallas"] + (["mosaic"] if mosaic.default_for(sets[0][0]) else [])
+      impls = ["triton"] + (["mosaic"] if mosaic.default_for(sets[0][0]) else [])
       calls = [(f"sparse_mla_decode[{impl}]", _decode_call(spec, implementation=impl))
                for impl in impls]
       checked_args = sets[0]
@@ -259,62 +259,45 @@ def run(rows=ROWS) -> list[Row]:
   return out
 
 
-def _flat_decode(spec: Decode, q, cache, idx, sink, ecache, eidx):
-  """Public decode arguments -> the kernel entry's ``(q[T, h, d], kv sets, sink)``."""
-  t = spec.b * spec.s_q
-  kv_sets = [(cache, idx.reshape(t, -1), jnp.full((t,), spec.topk, jnp.int32))]
-  if spec.extra:
-    kv_sets.append((ecache, eidx.reshape(t, -1), jnp.full((t,), spec.extra, jnp.int32)))
-  return q.reshape(t, spec.h_q, -1), kv_sets, sink
-
-
-def sweep(rows, prefill_configs, decode_configs) -> list[Row]:
-  """Tile configurations of the kernel entries on each row (for tuning)."""
+def sweep(rows, configs) -> list[Row]:
+  """The public ops with each ``config`` (a Triton or Mosaic GPU ``Config``) on each row."""
   dev = device_name()
   out = []
   for name, spec in rows.items():
-    if isinstance(spec, Prefill):
-      sets, flop = _prefill_sets(spec)
-      calls = [(cfg, lambda q, kv, idx, s, cfg=cfg, spec=spec: sparse_mla_prefill_pallas(
-          q, kv, idx, s, None, sm_scale=spec.d_qk ** -0.5, d_v=512, config=cfg))
-          for cfg in prefill_configs]
-    else:
-      decode_sets, flop = _decode_sets(spec)
-      sets = [_flat_decode(spec, *a) for a in decode_sets]
-      calls = [(cfg, lambda qf, kv_sets, s, cfg=cfg, spec=spec: sparse_mla_decode_pallas(
-          qf, kv_sets, s, kv_cache_dtype=spec.dtype, sm_scale=qf.shape[-1] ** -0.5, d_v=512,
-          config=cfg)) for cfg in decode_configs]
-    for cfg, fn in calls:
-      label = f"bh{cfg.block_h} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    sets, flop = _prefill_sets(spec) if isinstance(spec, Prefill) else _decode_sets(spec)
+    call = _prefill_call if isinstance(spec, Prefill) else _decode_call
+    for cfg in configs:
+      impl = "mosaic" if isinstance(cfg, mosaic.Config) else "triton"
+      fn = call(spec, implementation=impl, config=cfg)
+      label = (f"bh{cfg.block_h} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+               if impl == "triton" else
+               f"mosaic s{cfg.num_stages} regs {cfg.consumer_registers}/{cfg.producer_registers}")
       try:
         us = time_us(fn, sets, reps=10)
       except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
         msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        print(f"{name:18s} {label:22s} FAILED: {msg}", flush=True)
+        print(f"{name:18s} {label:30s} FAILED: {msg}", flush=True)
         continue
-      out.append(Row("sparse_mla kernel entry", f"{name} {label}", us, flop / us / 1e6,
+      out.append(Row(f"sparse_mla[{impl}] config", f"{name} {label}", us, flop / us / 1e6,
                      "TFLOP/s", spec.anchor, "FlashMLA", dev))
-      print(f"{name:18s} {label:22s} {us:9.1f} us {flop / us / 1e6:7.1f} TFLOP/s", flush=True)
+      print(f"{name:18s} {label:30s} {us:9.1f} us {flop / us / 1e6:7.1f} TFLOP/s", flush=True)
     del sets
   return out
 
 
-def _configs(spec: str):
-  out = []
-  for item in spec.split(","):
-    if item:
-      bh, bk, w, s = (int(v) for v in item.split(":"))
-      out.append(KernelConfig(block_h=bh, block_k=bk, num_warps=w, num_stages=s))
-  return out
+def _configs(spec: str, make, names):
+  return [make(**dict(zip(names, (int(v) for v in item.split(":")), strict=True)))
+          for item in spec.split(",") if item]
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--check", action="store_true")
   ap.add_argument("--rows", default=",".join(ROWS))
-  ap.add_argument("--prefill-configs", default="",
-                  help="block_h:block_k:num_warps:num_stages,... (times the kernel entry)")
-  ap.add_argument("--decode-configs", default="")
+  ap.add_argument("--triton-configs", default="",
+                  help="block_h:block_k:num_warps:num_stages,... (Triton config= sweep)")
+  ap.add_argument("--mosaic-configs", default="",
+                  help="num_stages:consumer_registers:producer_registers,... (Mosaic GPU)")
   ap.add_argument("--small", action="store_true",
                   help="--check on small shapes (for compute-sanitizer runs)")
   args = ap.parse_args()
@@ -324,9 +307,12 @@ def main():
     ok = check(small=args.small)
   every = {**ROWS, **EXTRA_ROWS}
   rows = {r: every[r] for r in args.rows.split(",") if r}
-  pc, dc = _configs(args.prefill_configs), _configs(args.decode_configs)
-  if pc or dc:
-    print_table(sweep(rows, pc, dc))
+  configs = (_configs(args.triton_configs, triton.Config,
+                      ("block_h", "block_k", "num_warps", "num_stages"))
+             + _configs(args.mosaic_configs, mosaic.Config,
+                        ("num_stages", "consumer_registers", "producer_registers")))
+  if configs:
+    print_table(sweep(rows, configs))
   else:
     print_table(run(rows))
   return 0 if ok else 1

@@ -22,7 +22,8 @@ SMOKE = os.environ.get("JAX_MLA_BENCH_SMOKE") == "1"
 
 @dataclasses.dataclass
 class Row:
-  """One measured benchmark row, comparable against its anchor in BENCHMARKS.md."""
+  """One measured benchmark row and its anchor (FlashMLA, a seed kernel, copy bandwidth:
+  benchmarks/RESULTS.md says where each anchor comes from)."""
   op: str
   config: str
   time_us: float

@@ -3,9 +3,11 @@
   python -m benchmarks.run [--only bench_sparse_mla ...] [--out benchmarks/out]
   python -m benchmarks.run --smoke     # tiny shapes on the CPU: checks the harness
 
-Each module runs in its own process under a time budget (``BUDGET_S``; the whole
-run stays under ``TOTAL_S``), so one slow or broken module cannot hold up or hide
-the others. Progress prints per module (name, elapsed, rows). At the end: the
+Each module runs in its own process under a time budget (``BUDGET_S``, plus what
+earlier modules left unused; the whole run stays under ``TOTAL_S``), so one slow or
+broken module cannot hold up or hide the others. A module cut at its budget keeps
+the rows it had handed over (a ``run()`` that yields rows hands each one over as it
+is measured). Progress prints per module (name, elapsed, rows). At the end: the
 table, ``results.json`` and, with matplotlib, ``ratios.png`` under ``--out``. The
 exit status is non-zero if a module failed or ran out of time.
 
@@ -156,32 +158,39 @@ SMOKE = {
 
 
 def worker(name: str, rows_file: str, smoke: bool) -> None:
-  """In the module's own process: its ``run()`` (or smoke recipe), rows to ``rows_file``."""
+  """In the module's own process: its ``run()`` (or smoke recipe), one JSON line per row
+  appended to ``rows_file`` as soon as the module hands it over (a ``run()`` that yields
+  its rows keeps the finished ones when the budget cuts it short)."""
   module = importlib.import_module(f"benchmarks.{name}")
   if smoke and name not in SMOKE:
     raise SystemExit(f"{name}: no smoke recipe in benchmarks/run.py (SMOKE)")
-  rows = SMOKE[name](module) if smoke else module.run()
-  with open(rows_file, "w") as f:
-    json.dump([dataclasses.asdict(r) for r in rows], f)
+  with open(rows_file, "a") as f:
+    for row in SMOKE[name](module) if smoke else module.run():
+      f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+      f.flush()
 
 
 def run_module(name: str, budget: float, smoke: bool, env: dict) -> tuple[list, str]:
   """Runs ``name`` in a child process; returns (row dicts, "" or what went wrong)."""
   with tempfile.TemporaryDirectory() as tmp:
-    rows_file = os.path.join(tmp, "rows.json")
+    rows_file = os.path.join(tmp, "rows.jsonl")
     cmd = [sys.executable, "-m", "benchmarks.run", "--worker", name, "--rows-file", rows_file]
     proc = subprocess.Popen(cmd + (["--smoke"] if smoke else []), cwd=ROOT, env=env,
                             start_new_session=True)
     try:
       rc = proc.wait(timeout=budget)
+      problem = f"failed (exit {rc})" if rc else ""
     except subprocess.TimeoutExpired:
       os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
       proc.wait()
-      return [], f"stopped at its {budget:.0f} s budget"
-    if rc:
-      return [], f"failed (exit {rc})"
-    with open(rows_file) as f:
-      return json.load(f), ""
+      problem = f"stopped at its {budget:.0f} s budget"
+    rows = []
+    if os.path.exists(rows_file):
+      with open(rows_file) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    if not rows and not problem:  # e.g. a run() that reports its failing cases and goes on
+      problem = "no rows"
+    return rows, problem
 
 
 def main() -> int:
@@ -215,9 +224,11 @@ def main() -> int:
     names = [n for n in names if n in args.only]
   start = time.monotonic()
   rows, problems = [], []
+  saved = 0.0  # budget seconds earlier modules left unused, passed on to later ones
   for i, name in enumerate(names, 1):
     left = TOTAL_S - (time.monotonic() - start)
-    budget = SMOKE_BUDGET_S if args.smoke else min(BUDGET_S.get(name, DEFAULT_BUDGET_S), left)
+    own = SMOKE_BUDGET_S if args.smoke else BUDGET_S.get(name, DEFAULT_BUDGET_S)
+    budget = min(own + saved, left)
     if budget < 5:
       problems.append(f"{name}: not run (the {TOTAL_S} s total was spent)")
       print(f"[{i}/{len(names)}] {name}: not run, no time left", flush=True)
@@ -226,8 +237,9 @@ def main() -> int:
     t0 = time.monotonic()
     got, problem = run_module(name, budget, args.smoke, env)
     took = time.monotonic() - t0
-    print(f"[{i}/{len(names)}] {name}: {problem or f'{len(got)} rows'}, {took:.1f} s "
-          f"(total {time.monotonic() - start:.0f} s)", flush=True)
+    saved = max(0.0, budget - took) if not args.smoke else 0.0
+    print(f"[{i}/{len(names)}] {name}: {len(got)} rows{', ' + problem if problem else ''}, "
+          f"{took:.1f} s (total {time.monotonic() - start:.0f} s)", flush=True)
     rows += got
     if problem:
       problems.append(f"{name}: {problem}")

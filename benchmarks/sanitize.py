@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.cache.formats import quantize_fp8_ds_mla, quantize_fp8_model1_cache
+from jax_mla.cache import quantize_fp8_ds_mla, quantize_fp8_model1_cache
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.dense_prefill import mla_prefill
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
@@ -104,13 +104,13 @@ def dense_prefill(impl):
 
 
 KERNELS = {
-    "sparse_prefill_pallas": (sparse_prefill, "pallas"),
+    "sparse_prefill_triton": (sparse_prefill, "triton"),
     "sparse_prefill_mosaic": (sparse_prefill, "mosaic"),
-    "sparse_decode_pallas": (sparse_decode, "pallas"),
+    "sparse_decode_triton": (sparse_decode, "triton"),
     "sparse_decode_mosaic": (sparse_decode, "mosaic"),
     "dense_decode_mosaic": (dense_decode, "mosaic"),
-    "dense_decode_pallas": (dense_decode, "pallas"),
-    "dense_prefill_pallas": (dense_prefill, "pallas"),
+    "dense_decode_triton": (dense_decode, "triton"),
+    "dense_prefill_triton": (dense_prefill, "triton"),
 }
 
 

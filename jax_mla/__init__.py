@@ -1,9 +1,12 @@
 """jax-mla: MLA, sparse MLA and paged attention for JAX on GPUs.
 
 Every op has a pure jax.numpy reference (``implementation="xla"``) and a Pallas
-kernel (``implementation="pallas"``); ``None`` picks Pallas on GPU. Layer-level
-backends live in :mod:`jax_mla.backends`, ``shard_map`` wrappers in
-:mod:`jax_mla.sharding`.
+Triton kernel (``implementation="triton"``; ``"pallas"`` is its old name), some a
+Pallas Mosaic GPU kernel for Hopper (``"mosaic"``); ``None`` picks by the device
+the arrays live on. Layer-level backends (``FlashMLASparse``, ``AiterMLA``,
+``DeepseekV4Sparse``) live in :mod:`jax_mla.backends`, the ``shard_map`` wrappers
+(``head_parallel``, ``request_parallel``) in :mod:`jax_mla.sharding`, the KV-cache
+formats in :mod:`jax_mla.cache`.
 """
 
 from jax_mla._common import FP8_E4M3_MAX

@@ -257,7 +257,7 @@ def shard_attention(op: Callable, mesh: Mesh, *, head_axis: AxisName | None = No
   Args:
     op: a jax-mla op or backend forward: ``sparse_mla_prefill``,
       ``sparse_mla_decode``, ``mla_decode``, ``mla_decode_paged``,
-      ``mla_ragged_paged_attention``, ``mla_prefill``, ``aiter_mla_forward``,
+      ``mla_ragged_paged_attention``, ``mla_prefill``, ``paged_attention``, ``aiter_mla_forward``,
       ``forward_mqa``, ``forward_mha``, ``deepseek_v4_sparse_forward`` /
       ``_decode`` / ``_prefill``; or any op with ``spec``.
     mesh: the device mesh (all global devices for multi-host): ``jax.make_mesh``

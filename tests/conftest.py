@@ -1,5 +1,5 @@
-"""Shared test setup: the `gpu` marker, the `interpret` fixture and, on a GPU, the
-persistent compilation cache."""
+"""Shared test setup: the `gpu` and `cpu_only` markers, the `interpret` fixture and, on
+a GPU, the persistent compilation cache."""
 
 import os
 import pathlib
@@ -14,6 +14,8 @@ CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
 
 
 def pytest_configure(config):
+  if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+    return  # the pytest-xdist controller runs no test: leave the GPU to the workers
   if not has_gpu():
     if os.environ.get("JAX_MLA_REQUIRE_GPU"):  # `make test-gpu`: no silent CPU run
       pytest.exit(f"make test-gpu needs a GPU; JAX found only {jax.devices()}", returncode=1)
@@ -29,10 +31,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
   if has_gpu():
-    return
-  skip = pytest.mark.skip(reason="needs a CUDA GPU: run `make test-gpu` on the device machine")
+    # The GPU suite is about compiled kernels; reference-only tests ran on the CPU suite.
+    skip = pytest.mark.skip(reason="cpu_only: the CPU suite covers it")
+    marker = "cpu_only"
+  else:
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `make test-gpu` on the device machine")
+    marker = "gpu"
   for item in items:
-    if "gpu" in item.keywords:
+    if marker in item.keywords:
       item.add_marker(skip)
 
 

@@ -6,11 +6,10 @@ import sys
 import time
 
 import pytest
-from helpers import has_gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(has_gpu(), reason="CPU-only: a GPU runs the real benchmarks")
+pytestmark = pytest.mark.cpu_only  # on a GPU, `make bench` runs the real thing
 
 
 def test_bench_without_gpu_says_so_in_one_line():

@@ -527,3 +527,94 @@ def test_bad_inputs_raise():
     quantize_fp8_model1(jnp.zeros((3, 576), jnp.bfloat16))
   with pytest.raises(TypeError, match="slots"):
     gather_dequantize(cache, jnp.zeros((3,), jnp.float32), kv_cache_dtype="fp8_ds_mla")
+
+
+# ---------------------------------------------------------------------------
+# Bad input and NaN, the same on every path
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_model1"])
+def test_one_nan_stays_one_nan(fmt, interpret):
+  """A NaN value is stored as NaN and leaves its tile's scale alone (the CUDA writers'
+  fmaxf amax): every other byte is what the tile gives with the NaN as 0."""
+  rng = np.random.default_rng(13)
+  head = 512 if fmt == "fp8_model1" else 576
+  x = rand_latent(rng, 2, head).astype(np.float32)
+  x[0, 70] = np.nan
+  zeroed = np.nan_to_num(x, nan=0.0)
+  slots = jnp.arange(2, dtype=jnp.int32)
+  cache = jnp.zeros(kv_cache_shape(1, 16, head, fmt), jnp.uint8)
+
+  def write(v, impl):
+    v = jnp.asarray(v, jnp.bfloat16)
+    return np.asarray(concat_and_cache_mla(v[:, :head - 64], v[:, head - 64:], cache, slots,
+                                           kv_cache_dtype=fmt, implementation=impl,
+                                           interpret=interpret and impl == "triton"))
+
+  want = write(zeroed, "xla")
+  for impl in ("xla", "triton"):
+    got = write(x, impl)
+    nan_byte = np.flatnonzero(got != want)
+    assert nan_byte.size == 1 and got.reshape(-1)[nan_byte[0]] & 0x7F == 0x7F
+    full = (dequantize_fp8_ds_mla(jnp.asarray(got)) if fmt == "fp8_ds_mla"
+            else dequantize_fp8_model1_cache(jnp.asarray(got)))
+    full = np.asarray(full, np.float32).reshape(-1, head)[:2]
+    assert np.isnan(full[0, 70]) and np.isnan(full).sum() == 1
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_eager_call_keeps_the_callers_cache(impl, interpret):
+  """Outside jit the caller's cache stays usable (a copy is written) unless donate=True."""
+  rng = np.random.default_rng(14)
+  kv_c, k_pe = _inputs(rng, 3, 512)
+  slots = jnp.asarray([5, 0, 9], jnp.int32)
+  kw = dict(kv_cache_dtype="fp8_ds_mla", implementation=impl,
+            interpret=interpret and impl == "triton")
+  cache = jnp.zeros(kv_cache_shape(2, 8, 576, "fp8_ds_mla"), jnp.uint8)
+  out = concat_and_cache_mla(jnp.asarray(kv_c), jnp.asarray(k_pe), cache, slots, **kw)
+  assert not cache.is_deleted()
+  assert not np.asarray(cache).any() and np.asarray(out).any()
+  again = concat_and_cache_mla(jnp.asarray(kv_c), jnp.asarray(k_pe), cache, slots, **kw)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+  donated = concat_and_cache_mla(jnp.asarray(kv_c), jnp.asarray(k_pe), cache, slots,
+                                 donate=True, **kw)
+  np.testing.assert_array_equal(np.asarray(donated), np.asarray(out))
+  assert cache.is_deleted()
+
+
+def test_slot_mapping_any_integer_dtype():
+  rng = np.random.default_rng(15)
+  kv_c, k_pe = _inputs(rng, 4, 512)
+  cache = jnp.zeros(kv_cache_shape(2, 8, 576, "auto"), jnp.bfloat16)
+  slots = np.array([3, -1, 15, 0])
+  outs = [np.asarray(concat_and_cache_mla(jnp.asarray(kv_c), jnp.asarray(k_pe), cache,
+                                          s, kv_cache_dtype="auto"))
+          for s in (slots.astype(np.int64), jnp.asarray(slots, jnp.int32),
+                    slots.astype(np.uint8).astype(np.int16))]
+  for out in outs[1:]:
+    np.testing.assert_array_equal(out, outs[0])
+  with pytest.raises(TypeError, match="slot_mapping"):
+    concat_and_cache_mla(jnp.asarray(kv_c), jnp.asarray(k_pe), cache, [3, 1, 2, 0])
+  got = gather_dequantize(jnp.asarray(outs[0]), np.array([3, 15], np.int64),
+                          kv_cache_dtype="auto")
+  np.testing.assert_array_equal(np.asarray(got), outs[0].reshape(-1, 576)[[3, 15]])
+
+
+def test_checks_flag_slots_past_the_cache():
+  from jax.experimental import checkify
+  rng = np.random.default_rng(16)
+  kv_c, k_pe = (jnp.asarray(a) for a in _inputs(rng, 3, 512))
+  cache = jnp.zeros(kv_cache_shape(2, 8, 576, "fp8_ds_mla"), jnp.uint8)
+  kw = dict(kv_cache_dtype="fp8_ds_mla", checks=True)
+  ok = jnp.asarray([-1, 0, 15], jnp.int32)  # negative: a skipped token, not an error
+  concat_and_cache_mla(kv_c, k_pe, cache, ok, **kw)
+  bad = jnp.asarray([-1, 16, 3], jnp.int32)
+  with pytest.raises(ValueError, match="slot_mapping must be < num_blocks"):
+    concat_and_cache_mla(kv_c, k_pe, cache, bad, **kw)
+  concat_and_cache_mla(kv_c, k_pe, cache, bad, kv_cache_dtype="fp8_ds_mla")  # off by default
+  step = checkify.checkify(jax.jit(
+      lambda c, s: concat_and_cache_mla(kv_c, k_pe, c, s, **kw)))
+  err, _ = step(cache, bad)
+  assert "slot_mapping" in err.get()
+  err, _ = step(cache, ok)
+  assert err.get() is None

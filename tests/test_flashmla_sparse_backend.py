@@ -1,12 +1,15 @@
 """FlashMLASparse layer forward against an independent numpy reference that attends
 each token to exactly its selected tokens (absorbed MLA form)."""
 
+import doctest
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import rel_err
 
+from jax_mla.backends import FlashMLASparse
 from jax_mla.backends.flashmla_sparse import (
   FlashMLASparseConfig,
   build_flashmla_sparse_metadata,
@@ -126,7 +129,7 @@ def test_forward_matches_reference(seed, q_lens, ctx_lens, topk, padding, cache_
   assert new_cache.shape == d["cache"].shape
 
 
-def test_forward_pallas_interpret_matches_xla():
+def test_forward_triton_interpret_matches_xla():
   d = _setup(3, [2, 1], [6, 3], 4, "fp8_ds_mla")
   cfg = FlashMLASparseConfig(num_heads=H, scale=(P + R) ** -0.5, kv_cache_dtype="fp8_ds_mla")
   md = build_flashmla_sparse_metadata(jnp.asarray(d["qsl"]), jnp.asarray(d["bt"]),
@@ -137,7 +140,7 @@ def test_forward_pallas_interpret_matches_xla():
                   jnp.asarray(d["topk_idx"]), jnp.asarray(d["w_uk_t"], jnp.bfloat16),
                   jnp.asarray(d["w_uv"], jnp.bfloat16), md)
   ref, ref_cache = flashmla_sparse_forward(*args(), config=cfg, implementation="xla")
-  got, got_cache = flashmla_sparse_forward(*args(), config=cfg, implementation="pallas",
+  got, got_cache = flashmla_sparse_forward(*args(), config=cfg, implementation="triton",
                                            interpret=True)
   np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(ref_cache))
   assert rel_err(got, ref) < 1e-2
@@ -170,3 +173,8 @@ def test_bad_inputs_name_argument():
         jnp.ones((3, R), jnp.bfloat16), jnp.ones((2, BS, 576), jnp.bfloat16),
         jnp.zeros((3, 4), jnp.int32), jnp.ones((H, P, L), jnp.bfloat16),
         jnp.ones((H, V, L), jnp.bfloat16), None, config=cfg)
+
+
+def test_class_docstring_example_runs():
+  test = doctest.DocTestParser().get_doctest(FlashMLASparse.__doc__, {}, "FlashMLASparse", None, 0)
+  assert doctest.DocTestRunner().run(test).failed == 0

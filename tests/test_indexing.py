@@ -1,4 +1,4 @@
-"""Index conversion and metadata helpers: Pallas (interpret) vs reference vs numpy."""
+"""Index conversion and metadata helpers: Triton (interpret) vs reference vs numpy."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +41,7 @@ def test_convert_hand_checked(interpret):
   tok = jnp.array([[0, 5, -1], [4, 9, 8]], jnp.int32)
   # block_size 4: (0,0)->7*4+0; (0,5)->3*4+1; (1,4)->0*4+0; (1,9), (1,8): block 2 is past the table
   want = np.array([[28, 13, -1], [0, -1, -1]], np.int32)
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "triton"):
     got = ix.convert_req_index_to_global_index(req, bt, tok, block_size=4, implementation=impl,
                                                interpret=interpret)
     np.testing.assert_array_equal(got, want)
@@ -56,7 +56,7 @@ def test_convert_random(seed, T, K, R, B, bs, interpret):
   tok = rng.integers(-2, B * bs + bs * 2, (T, K)).astype(np.int32)
   tok.flat[rng.integers(0, T * K, 4)] = [INT_MIN, INT_MAX, -1, B * bs]
   want = np_convert(req, bt, tok, bs)
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "triton"):
     got = ix.convert_req_index_to_global_index(
         jnp.asarray(req), jnp.asarray(bt), jnp.asarray(tok), block_size=bs,
         implementation=impl, interpret=interpret)
@@ -66,7 +66,7 @@ def test_convert_random(seed, T, K, R, B, bs, interpret):
 def test_expand_hand_checked(interpret):
   bt = jnp.array([[2, 5], [9, 1]], jnp.int32)
   lens = jnp.array([3, 0], jnp.int32)
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "triton"):
     pages, indptr = ix.expand_page_indices(bt, lens, kernel_block_size=2, capacity=6,
                                            implementation=impl, interpret=interpret)
     np.testing.assert_array_equal(indptr, [0, 3, 3])
@@ -84,7 +84,7 @@ def test_expand_random(seed, R, B, K, extra, interpret):
     lens[1] = B * K + 3  # tokens whose block lies past the table
   cap = int(lens.sum()) + extra
   want, want_indptr = np_expand(bt, lens, K, cap)
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "triton"):
     pages, indptr = ix.expand_page_indices(jnp.asarray(bt), jnp.asarray(lens),
                                            kernel_block_size=K, capacity=cap,
                                            implementation=impl, interpret=interpret)
@@ -96,7 +96,7 @@ def test_expand_capacity_smaller_than_total_drops_tail(interpret):
   bt = jnp.array([[1, 2], [3, 4]], jnp.int32)
   lens = jnp.array([4, 4], jnp.int32)
   want, _ = np_expand(np.asarray(bt), np.asarray(lens), 2, 5)
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "triton"):
     pages, _ = ix.expand_page_indices(bt, lens, kernel_block_size=2, capacity=5,
                                       implementation=impl, interpret=interpret)
     np.testing.assert_array_equal(pages, want)
@@ -131,7 +131,14 @@ def test_lse2_to_lse():
      "block_table"),
     (lambda: ix.convert_req_index_to_global_index(
         jnp.zeros(3, jnp.int32), jnp.zeros((2, 2), jnp.int32), jnp.zeros((3, 2), jnp.int32),
-        implementation="triton"), "implementation"),
+        implementation="cuda"), "implementation"),
+    (lambda: ix.convert_req_index_to_global_index(
+        jnp.zeros(3, jnp.int32), jnp.zeros((2, 2), jnp.int32), jnp.zeros((3, 2), jnp.int32),
+        block_size=jnp.int32(4)), "block_size"),
+    (lambda: ix.req_id_per_token([0, 3], num_tokens=4), "query_start_loc"),
+    (lambda: ix.expand_page_indices(jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32),
+                                    kernel_block_size=1, capacity=4, config=object(),
+                                    implementation="triton", interpret=True), "config"),
     (lambda: ix.expand_page_indices(jnp.zeros((2, 2), jnp.int32), jnp.zeros(3, jnp.int32),
                                     kernel_block_size=1, capacity=4), "seq_lens"),
     (lambda: ix.expand_page_indices(jnp.zeros((2,), jnp.int32), jnp.zeros(2, jnp.int32),
@@ -142,6 +149,28 @@ def test_lse2_to_lse():
 def test_bad_input_names_argument(call, match):
   with pytest.raises((ValueError, TypeError), match=match):
     call()
+
+
+def test_int64_metadata_is_cast(interpret):
+  rng = np.random.default_rng(5)
+  bt = rng.integers(0, 100, (3, 4)).astype(np.int64)
+  req = np.array([0, 2, 1, 5], np.int64)
+  tok = rng.integers(-1, 70, (4, 9)).astype(np.int64)
+  want = np_convert(req, bt, tok, 16)
+  for impl in ("xla", "triton"):
+    got = ix.convert_req_index_to_global_index(req, bt, tok, block_size=16, implementation=impl,
+                                               interpret=interpret)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    pages, _ = ix.expand_page_indices(bt, np.array([5, 0, 9], np.int64), kernel_block_size=4,
+                                      capacity=16, implementation=impl, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(pages),
+                                  np_expand(bt, np.array([5, 0, 9]), 4, 16)[0])
+  np.testing.assert_array_equal(ix.req_id_per_token(np.array([0, 3, 3, 5]), num_tokens=6),
+                                [0, 0, 0, 2, 2, 0])
+  ctx, new = ix.filter_prefill_indices(np.array([[0, 4]]), np.array([2]))
+  np.testing.assert_array_equal(ctx, [[0, -1]])
+  np.testing.assert_array_equal(new, [[-1, 2]])
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the error given on a machine without a GPU")

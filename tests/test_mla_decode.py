@@ -345,7 +345,7 @@ def test_mla_decode_checks_raise_eagerly():
       ("kv_last_page_lens must lie in", dict(last=i32(1, 0))),
   ]
   for match, change in bad:
-    a = dict(qo=qo, kvp=kvp, last=last, **{k: v for k, v in change.items()})
+    a = {"qo": qo, "kvp": kvp, "last": last, **change}
     with pytest.raises(ValueError, match=match):
       mla_decode(q, cache, a["qo"], a["kvp"], kvi, a["last"], **kw)
 

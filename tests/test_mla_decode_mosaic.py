@@ -11,7 +11,8 @@ import pytest
 from helpers import rel_err
 
 import jax_mla
-from jax_mla.dense_decode import mla_decode_paged, mosaic
+from jax_mla import _mosaic
+from jax_mla.dense_decode import mla_decode_paged, mosaic, triton
 
 D = 576
 PAGE = 64
@@ -110,7 +111,7 @@ def test_rejects_unsupported_shapes(s_q, h_q, page, causal):
   q = jnp.zeros((2, s_q, h_q, D), jnp.bfloat16)
   cache = jnp.zeros((4, page, D), jnp.bfloat16)
   bt = jnp.zeros((2, 2), jnp.int32)
-  with pytest.raises(ValueError, match="implementation='pallas'"):
+  with pytest.raises(ValueError, match="implementation='triton'"):
     mla_decode_paged(q, cache, bt, jnp.ones((2,), jnp.int32), causal=causal,
                      implementation="mosaic")
 
@@ -119,8 +120,29 @@ def test_rejects_unsupported_shapes(s_q, h_q, page, causal):
 def test_default_picks_mosaic_on_hopper_only_for_supported_shapes():
   q, cache, bt, sl = _case(np.random.default_rng(2), 1, 64, [100, 7])
   hopper = jax.devices()[0].compute_capability.startswith("9")
-  assert mosaic.default_for(q, cache, causal=False) == (hopper and jax.__version_info__ >= (0, 11))
-  assert not mosaic.default_for(q[:, :, :16], cache, causal=False)
+  def default_for(q):
+    return _mosaic.default_for(mosaic.check_supported, q, cache, causal=False)
+  assert default_for(q) == (hopper and jax.__version_info__ >= (0, 11))
+  assert not default_for(q[:, :, :16])
+
+
+@pytest.mark.gpu
+def test_config():
+  args = _case(np.random.default_rng(9), 1, 64, [300, 129, 0])
+  cfg = mosaic.Config(num_splits=2, consumer_registers=224, producer_registers=56)
+  out, lse = mla_decode_paged(*args, config=cfg, implementation="mosaic")
+  ref_out, ref_lse = mla_decode_paged(*args, implementation="xla")
+  assert rel_err(out, ref_out) < 1e-2
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
+  with pytest.raises(TypeError, match="config"):
+    mla_decode_paged(*args, config=triton.Config(), implementation="mosaic")
+
+
+def test_config_checks_register_split():
+  with pytest.raises(ValueError, match="register split"):
+    mosaic.Config(consumer_registers=240, producer_registers=40)  # 520 > 512
+  with pytest.raises(ValueError, match="register split"):
+    mosaic.Config(consumer_registers=230)
 
 
 def test_mosaic_is_refused_where_it_cannot_run():

@@ -16,7 +16,7 @@ from helpers import rel_err
 
 from jax_mla._common import FP8_E4M3_MAX
 from jax_mla.paged import paged_attention
-from jax_mla.paged.pallas import default_num_kv_splits
+from jax_mla.paged.triton import Config, default_num_kv_splits
 
 FP8 = jnp.float8_e4m3fn
 
@@ -168,7 +168,7 @@ def test_reference_matches_numpy(feature, layout):
 def test_kernel_matches_reference(feature, layout, interpret):
   case = make_case(2, SEQ_LENS, layout=layout, **FEATURES[feature])
   ref = f32(run(case, implementation="xla"))
-  out = f32(run(case, implementation="pallas", interpret=interpret))
+  out = f32(run(case, implementation="triton", interpret=interpret))
   assert np.isfinite(out).all()
   tol = 0.07 if "out_scale" in case.kwargs else 1e-2
   assert rel_err(out, ref) < tol
@@ -179,7 +179,7 @@ def test_kernel_matches_reference(feature, layout, interpret):
 
 def test_skipped_rows_are_zero(interpret):
   case = make_case(3, [5, 40, 9], query_lens=[2, 1, 3])
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "pallas"):  # "pallas": the old name of "triton"
     out = f32(run(case, implementation=impl, interpret=interpret))
     zero_rows = [0, 1, 3, 4, 5, 6]  # prefill rows and the trailing row of no sequence
     assert (out[zero_rows] == 0).all()
@@ -189,7 +189,7 @@ def test_skipped_rows_are_zero(interpret):
 def test_kv_splits(interpret):
   case = make_case(4, [1, 150, 129], sinks=True)
   ref = f32(run(case, implementation="xla"))
-  out = f32(run(case, implementation="pallas", interpret=interpret, num_kv_splits=3))
+  out = f32(run(case, implementation="triton", interpret=interpret, num_kv_splits=3))
   assert rel_err(out, ref) < 1e-2
 
 
@@ -198,7 +198,7 @@ def test_window_skips_tiles_exactly(interpret):
   for window in (64, 65):
     case = make_case(5, [200, 40], window=window, hkv=1, hq=2)
     ref = f32(run(case, implementation="xla"))
-    out = f32(run(case, implementation="pallas", interpret=interpret, num_kv_splits=2))
+    out = f32(run(case, implementation="triton", interpret=interpret, num_kv_splits=2))
     assert rel_err(out, ref) < 1e-2, window
     assert rel_err(ref, numpy_oracle(case)) < 2e-3
 
@@ -208,7 +208,7 @@ def test_block_544(interpret):
   assert case.block_tables.shape[1] == 3
   ref = f32(run(case, implementation="xla"))
   assert rel_err(ref, numpy_oracle(case)) < 2e-3
-  out = f32(run(case, implementation="pallas", interpret=interpret, physical_block_size=544))
+  out = f32(run(case, implementation="triton", interpret=interpret, physical_block_size=544))
   assert rel_err(out, ref) < 1e-2
 
 
@@ -217,7 +217,7 @@ def test_head_sizes(d, layout, interpret):
   case = make_case(7, [1, 45], d=d, layout=layout, alibi=True)
   ref = f32(run(case, implementation="xla"))
   assert rel_err(ref, numpy_oracle(case)) < 2e-3
-  out = f32(run(case, implementation="pallas", interpret=interpret))
+  out = f32(run(case, implementation="triton", interpret=interpret))
   assert rel_err(out, ref) < 1e-2
 
 
@@ -228,7 +228,7 @@ def test_invalid_block_ids_are_masked(interpret):
   want = numpy_oracle(case, masked_positions=[(0, p) for p in range(16, 32)]
                       + [(1, p) for p in range(16)])
   ref = f32(run(case, implementation="xla"))
-  out = f32(run(case, implementation="pallas", interpret=interpret))
+  out = f32(run(case, implementation="triton", interpret=interpret))
   assert rel_err(ref, want) < 2e-3
   assert rel_err(out, ref) < 1e-2
 
@@ -239,7 +239,7 @@ def test_f32_and_token_major_square(interpret):
     case = make_case(9, [30, 17], d=16, bs=16, layout=layout, dtype=jnp.float32)
     ref = f32(run(case, implementation="xla"))
     assert rel_err(ref, numpy_oracle(case)) < 1e-5
-    out = f32(run(case, implementation="pallas", interpret=interpret))
+    out = f32(run(case, implementation="triton", interpret=interpret))
     assert rel_err(out, ref) < 1e-3
 
 
@@ -252,7 +252,7 @@ def test_jit_with_traced_scales(interpret):
     return paged_attention(jnp.asarray(case.query), jnp.asarray(case.key_cache),
                            jnp.asarray(case.value_cache), jnp.asarray(case.block_tables),
                            jnp.asarray(case.seq_lens), scale=scale, k_scale=k_scale,
-                           v_scale=v_scale, implementation="pallas", interpret=interpret, **kw)
+                           v_scale=v_scale, implementation="triton", interpret=interpret, **kw)
 
   out = f32(f(case.kwargs["scale"], case.kwargs["k_scale"], case.kwargs["v_scale"]))
   assert rel_err(out, numpy_oracle(case)) < 1e-2
@@ -274,8 +274,8 @@ def test_validation():
 
   with pytest.raises(ValueError, match="query must have rank 3"):
     call(args[0][None], *args[1:])
-  with pytest.raises(TypeError, match="block_tables must have dtype int32"):
-    call(*args[:3], args[3].astype(jnp.int16), args[4])
+  with pytest.raises(TypeError, match="block_tables must have an integer dtype"):
+    call(*args[:3], args[3].astype(jnp.float32), args[4])
   with pytest.raises(TypeError, match="value_cache must have dtype"):
     call(args[0], args[1], args[2].astype(jnp.float32), *args[3:])
   with pytest.raises(ValueError, match="value_cache must have shape"):
@@ -290,3 +290,47 @@ def test_validation():
     call(*args, sinks=jnp.zeros((3,), jnp.float32))
   with pytest.raises(ValueError, match="multiple of kv heads"):
     call(args[0][:, :3], *args[1:])
+  with pytest.raises(TypeError, match="config"):
+    call(*args, config=object(), implementation="triton", interpret=True)
+
+
+def test_int64_metadata_is_cast(interpret):
+  case = make_case(12, [5, 40, 9], query_lens=[1, 1, 2])
+  want = f32(run(case, implementation="triton", interpret=interpret))
+  got = f32(paged_attention(
+      jnp.asarray(case.query), jnp.asarray(case.key_cache), jnp.asarray(case.value_cache),
+      case.block_tables.astype(np.int64), case.seq_lens.astype(np.int64),
+      query_start_loc=case.query_start_loc.astype(np.int64), **case.kwargs,
+      implementation="triton", interpret=interpret))
+  np.testing.assert_array_equal(got, want)
+
+
+def test_config(interpret):
+  case = make_case(13, [1, 150, 129], sinks=True)
+  ref = f32(run(case, implementation="xla"))
+  out = f32(run(case, implementation="triton", interpret=interpret,
+                config=Config(block_n=16, num_warps=2, num_stages=1, num_splits=5)))
+  assert rel_err(out, ref) < 1e-2
+  with pytest.raises(ValueError, match="block_n"):
+    Config(block_n=24)
+
+
+def test_checks_raise_eagerly():
+  case = make_case(14, [5, 40])
+  nb, bs = case.key_cache.shape[0], 16
+  cap = case.block_tables.shape[1] * bs
+  run(case, implementation="xla", checks=True)  # ids past each sequence may be anything
+  bad_id = case.block_tables.copy()
+  bad_id[1, 2] = nb  # sequence 1 uses blocks 0..2
+  neg_id = case.block_tables.copy()
+  neg_id[0, 0] = -1
+  for match, bt, lens in [
+      ("seq_lens must be >= 0", case.block_tables, np.array([5, -1], np.int32)),
+      ("seq_lens must be <=", case.block_tables, np.array([5, cap + 1], np.int32)),
+      ("block_tables ids used", bad_id, case.seq_lens),
+      ("block_tables ids used", neg_id, case.seq_lens),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      paged_attention(jnp.asarray(case.query), jnp.asarray(case.key_cache),
+                      jnp.asarray(case.value_cache), jnp.asarray(bt), jnp.asarray(lens),
+                      **case.kwargs, checks=True, implementation="xla")

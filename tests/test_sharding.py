@@ -53,7 +53,7 @@ else:
   from jax_mla.backends import split_decodes_and_prefills
   from jax_mla.cache import quantize_fp8_ds_mla, quantize_fp8_model1_cache
   from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
-  from jax_mla.dense_prefill import mla_prefill
+  from jax_mla.dense_prefill import mla_prefill, mla_prefill_token_major
   from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
   MESHES = [(1, 4), (2, 2)]
@@ -61,7 +61,8 @@ else:
   XLA = dict(implementation="xla")
   # Every op that declares its sharding.
   OPS = [sparse_mla_prefill, sparse_mla_decode, mla_decode, mla_decode_paged,
-         mla_ragged_paged_attention, mla_prefill, paged_attention, A.aiter_mla_forward,
+         mla_ragged_paged_attention, mla_prefill, mla_prefill_token_major, paged_attention,
+         A.aiter_mla_forward,
          A.forward_mqa, A.forward_mha, F.flashmla_sparse_forward, v4.deepseek_v4_sparse_forward,
          v4.deepseek_v4_sparse_decode, v4.deepseek_v4_sparse_prefill]
 
@@ -189,12 +190,12 @@ else:
     idx[0, 0, 0] = -1
     assert_same(out, sparse_mla_decode(**{**kw, "indices": jnp.asarray(idx)}))
 
-  def test_pallas_interpret_head_and_request_split():
+  def test_triton_interpret_head_and_request_split():
     rng = np.random.default_rng(9)
     b, nb, bs, topk = 2, 4, 4, 4
     kw = dict(q=bf16(rng, (b, 1, 2, 576)), kv_cache=bf16(rng, (nb, bs, 576)),
               indices=jnp.asarray(own_ids(rng, b, topk, nb * bs, n=2).reshape(b, 1, topk)),
-              kv_cache_dtype="auto", implementation="pallas", interpret=True)
+              kv_cache_dtype="auto", implementation="triton", interpret=True)
     out = run_sharded(sparse_mla_decode, make_mesh((2, 2)), kw, layout="split")
     assert_same(out, sparse_mla_decode(**kw))
 
@@ -357,7 +358,7 @@ else:
 
   def test_module_docstring_example_runs_as_written():
     test = doctest.DocTestParser().get_doctest(sharding.__doc__, {}, "jax_mla.sharding", None, 0)
-    assert doctest.DocTestRunner().run(test).failed == 0
+    assert doctest.DocTestRunner().run(test, clear_globs=False).failed == 0
     ns = test.globs  # the example's own names: check it against each group's own call
     ref = stacked_reference(mla_ragged_paged_attention, ns["calls"], dict(sm_scale=576 ** -0.5))
     assert_same((ns["o_latent"], ns["cache"]), ref)

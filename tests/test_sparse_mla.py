@@ -237,3 +237,80 @@ def test_decode_is_jittable():
   f = jax.jit(lambda q, c, i: sparse_mla_decode(q, c, i, implementation="xla", **kw))
   out, lse = f(q, cache, idx)
   assert out.shape == q.shape[:3] + (512,) and np.isfinite(np.asarray(out, np.float32)).all()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_nan_query_row_is_nan_on_every_path(interpret):
+  """A NaN query has valid keys: its row is NaN (out, lse, max_logits), not an empty row;
+  the other rows are untouched."""
+  q, kv, idx, kw = _prefill_case(21, 3, 16, 576, 40, 24, sink=True, lengths=False)
+  q = q.at[1].set(jnp.nan).at[2, 5].set(jnp.nan)  # a whole token, and one head
+  for impl in ("xla", "triton"):
+    out, ml, lse = (np.asarray(a, np.float32) for a in sparse_mla_prefill(
+        q, kv, idx, implementation=impl, interpret=interpret and impl == "triton", **kw))
+    nan_rows = np.zeros((3, 16), bool)
+    nan_rows[1], nan_rows[2, 5] = True, True
+    for stat in (ml, lse):
+      np.testing.assert_array_equal(np.isnan(stat), nan_rows)
+    assert np.isnan(out[nan_rows]).all() and not np.isnan(out[~nan_rows]).any()
+  dq, cache, didx, dkw, _ = decode_inputs(22, DECODE_CASES[1])  # b 1, s_q 3
+  dq = dq.at[0, 1].set(jnp.nan)
+  for impl in ("xla", "triton"):
+    out, lse = sparse_mla_decode(dq, cache, didx, implementation=impl,
+                                 interpret=interpret and impl == "triton", **dkw)
+    lse, out = np.asarray(lse), np.asarray(out, np.float32)
+    assert np.isnan(lse[0, :, 1]).all() and not np.isnan(np.delete(lse, 1, axis=2)).any()
+    assert np.isnan(out[0, 1]).all() and not np.isnan(np.delete(out, 1, axis=1)).any()
+
+
+def test_integer_metadata_of_any_dtype():
+  q, kv, idx, kw = _prefill_case(23, 3, 4, 512, 20, 8, sink=False, lengths=True)
+  want = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
+  kw64 = dict(kw, topk_length=np.asarray(kw["topk_length"]).astype(np.int64))
+  got = sparse_mla_prefill(q, kv, np.asarray(idx).astype(np.int64), implementation="xla", **kw64)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  dq, cache, didx, dkw, _ = decode_inputs(24, DECODE_CASES[2])
+  want = sparse_mla_decode(dq, cache, didx, implementation="xla", **dkw)
+  dkw64 = {k: np.asarray(v).astype(np.int64) if k in ("extra_indices", "topk_length",
+                                                      "extra_topk_length") else v
+           for k, v in dkw.items()}
+  got = sparse_mla_decode(dq, cache, np.asarray(didx).astype(np.int64), implementation="xla",
+                          **dkw64)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  with pytest.raises(TypeError, match="topk_length"):
+    sparse_mla_prefill(q, kv, idx, sm_scale=0.1, topk_length=[1, 2, 3])
+
+
+def test_static_arguments_named():
+  q, kv, idx, _ = _prefill_case(25, 2, 4, 512, 20, 8, sink=False, lengths=False)
+  with pytest.raises(TypeError, match="sm_scale"):
+    sparse_mla_prefill(q, kv, idx, sm_scale=jnp.float32(0.1))
+  with pytest.raises(TypeError, match="sm_scale"):
+    sparse_mla_decode(q[None].reshape(1, 2, 4, 512), jnp.zeros((2, 4, 512), jnp.bfloat16),
+                      idx.reshape(1, 2, 8), kv_cache_dtype="auto", sm_scale=np.float32(0.1))
+  with pytest.raises(TypeError, match="config"):
+    sparse_mla_prefill(q, kv, idx, sm_scale=0.1, implementation="triton", interpret=True,
+                       config={"block_k": 16})
+
+
+def test_checks_flag_lengths_outside_topk():
+  from jax.experimental import checkify
+  q, kv, idx, _ = _prefill_case(26, 3, 4, 512, 20, 8, sink=False, lengths=False)
+  kw = dict(sm_scale=0.1, implementation="xla", checks=True)
+  sparse_mla_prefill(q, kv, idx, topk_length=jnp.asarray([0, 8, 3], jnp.int32), **kw)
+  for bad in ([0, -1, 3], [0, 9, 3]):
+    with pytest.raises(ValueError, match="topk_length must be in"):
+      sparse_mla_prefill(q, kv, idx, topk_length=jnp.asarray(bad, jnp.int32), **kw)
+  dq, cache, didx, dkw, _ = decode_inputs(27, DECODE_CASES[2])
+  dkw["extra_topk_length"] = dkw["extra_topk_length"].at[0].set(-2)
+  with pytest.raises(ValueError, match="extra_topk_length must be in"):
+    sparse_mla_decode(dq, cache, didx, implementation="xla", checks=True, **dkw)
+  sparse_mla_decode(dq, cache, didx, implementation="xla", **dkw)  # off by default: clamped
+  f = checkify.checkify(jax.jit(lambda q, c, i, e: sparse_mla_decode(
+      q, c, i, implementation="xla", checks=True, **dict(dkw, extra_topk_length=e))))
+  err, _ = f(dq, cache, didx, dkw["extra_topk_length"])
+  assert "extra_topk_length" in err.get()

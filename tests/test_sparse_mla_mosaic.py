@@ -143,3 +143,25 @@ def test_rejects_interpret():
   with pytest.raises(ValueError, match="no interpreter"):
     sparse_mla_prefill(q, jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32),
                        sm_scale=0.1, implementation="mosaic", interpret=True)
+
+
+def test_config_register_rule():
+  assert mosaic.default_config(None) == mosaic.Config(consumer_registers=232,
+                                                      producer_registers=40)
+  with pytest.raises(ValueError, match="504 or the kernel hangs"):
+    mosaic.Config(consumer_registers=224, producer_registers=64)
+  with pytest.raises(ValueError, match="num_stages"):
+    mosaic.Config(num_stages=3)
+  with pytest.raises(ValueError, match="multiples of 8"):
+    mosaic.Config(consumer_registers=210, producer_registers=84)
+
+
+@pytest.mark.gpu
+def test_nan_query_row_is_nan():
+  rng = np.random.default_rng(6)
+  q, kv, idx = _case(rng, 3, 64, 576, 200, 100)
+  q = q.at[1].set(jnp.nan)
+  out, ml, lse = (np.asarray(x, np.float32) for x in sparse_mla_prefill(
+      q, kv, idx, sm_scale=576 ** -0.5, implementation="mosaic"))
+  assert np.isnan(out[1]).all() and np.isnan(ml[1]).all() and np.isnan(lse[1]).all()
+  assert not np.isnan(out[[0, 2]]).any()

@@ -1,6 +1,7 @@
 """torch bridge: zero-copy interop, torch-callable ops, FlashMLA drop-ins, library callers."""
 
 import functools
+import importlib
 import sys
 import types
 
@@ -119,11 +120,35 @@ def test_wrong_types_are_refused():
     to_torch(jnp.zeros(3, jnp.uint32))
 
 
+JAX_OPS = {
+    indexing: ("convert_req_index_to_global_index", "expand_page_indices", "req_id_per_token",
+               "filter_prefill_indices"),
+    merge: ("merge_attn_states", "lse2_to_lse"),
+    jcache: ("concat_and_cache_mla", "quantize_fp8_ds_mla", "dequantize_fp8_ds_mla",
+             "quantize_fp8_model1", "dequantize_fp8_model1", "quantize_fp8_model1_cache",
+             "dequantize_fp8_model1_cache"),
+    sparse_mla: ("sparse_mla_prefill", "sparse_mla_decode"),
+    jax_mla: ("mla_decode", "mla_decode_paged", "mla_ragged_paged_attention", "mla_prefill",
+              "paged_attention"),
+}
+
+
 def test_package_exports():
   assert torch_bridge.__all__ == ["to_jax", "to_torch"]
-  for names in ops.OP_MODULES.values():
-    for n in names:
-      assert callable(getattr(ops, n)) and n in ops.__all__
+  for module, names in JAX_OPS.items():
+    for n in names:  # one wrapper per jax_mla op, with the op's signature and docs
+      op = getattr(ops, n)
+      assert n in ops.__all__ and op.jax_op is getattr(module, n)
+      assert op.__wrapped__ is op.jax_op and op.jax_op.__doc__ in op.__doc__
+
+
+def test_missing_torch_names_the_extra(monkeypatch):
+  monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+  for name in [m for m in sys.modules if m == "torch_bridge" or m.startswith("torch_bridge.")]:
+    monkeypatch.delitem(sys.modules, name)
+  extra_and_wheel = r'pip install "jax-mla\[torch\]".*download\.pytorch\.org/whl/cpu'
+  with pytest.raises(ImportError, match=extra_and_wheel):
+    importlib.import_module("torch_bridge")
 
 
 # ----------------------------------------------------------------------------
@@ -304,8 +329,26 @@ def test_op_argument_errors():
     ops.merge_attn_states(x, lse, x.transpose(0, 1).contiguous().transpose(0, 1), lse)
   with pytest.raises(TypeError, match="does not carry"):
     ops.merge_attn_states(x, lse.double(), x, lse)
-  with pytest.raises(TypeError, match="hashable"):
+  with pytest.raises(TypeError, match="capacity: got a ndarray"):
     ops.expand_page_indices(_i32([[0]]), _i32([1]), kernel_block_size=1, capacity=np.int32([4]))
+  with pytest.raises(TypeError, match="hashable"):
+    ops.expand_page_indices(_i32([[0]]), _i32([1]), kernel_block_size=1, capacity={4})
+
+
+@pytest.mark.parametrize("bad", [[[0, 1]], ((0, 1),), np.zeros((1, 2), np.int32)],
+                         ids=["list", "tuple", "numpy"])
+def test_non_tensor_arrays_are_refused_by_name(bad):
+  with pytest.raises(TypeError, match=r"block_table: got a (list|tuple|ndarray); pass a torch"):
+    ops.expand_page_indices(bad, _i32([1]), kernel_block_size=1, capacity=4)
+  with pytest.raises(TypeError, match=r"seq_lens: got a"):
+    ops.expand_page_indices(_i32([[0]]), bad, kernel_block_size=1, capacity=4)
+  q = _bf16(np.zeros((2, 1, 4, 576)))
+  k_cache = _bf16(np.zeros((3, 4, 1, 576)))
+  meta, _ = ops.get_mla_metadata()
+  with pytest.raises(TypeError, match="block_table must be a torch.Tensor; got"):
+    ops.flash_mla_with_kvcache(q, k_cache, bad, _i32([1, 1]), 512, meta)
+  with pytest.raises(TypeError, match="indices must be a torch.Tensor; got"):
+    ops.flash_mla_sparse_fwd(q[0], k_cache[0], bad, 0.1)
 
 
 # ----------------------------------------------------------------------------

@@ -8,8 +8,21 @@
 * ``torch_bridge.flashmla`` / ``torch_bridge.aiter``: the installed FlashMLA
   (CUDA) or AITER (ROCm) kernels called on jax.Array inputs, with jax_mla's
   argument conventions, for one-to-one comparisons.
+
+Needs PyTorch: ``pip install "jax-mla[torch]"`` (CPU-only machines: ``pip install
+torch --index-url https://download.pytorch.org/whl/cpu`` first, which avoids the
+CUDA wheels).
 """
 
-from torch_bridge._interop import to_jax, to_torch
+try:
+  import torch  # noqa: F401  (checked first, so that a missing torch names the extra)
+except ImportError as e:
+  raise ImportError(
+      f"torch_bridge needs PyTorch, which could not be imported ({e}). Install the extra: "
+      'pip install "jax-mla[torch]"; for a CPU-only machine take the CPU wheel first '
+      "(no CUDA libraries): pip install torch --index-url "
+      "https://download.pytorch.org/whl/cpu") from e
+
+from torch_bridge._interop import to_jax, to_torch  # noqa: E402
 
 __all__ = ["to_jax", "to_torch"]

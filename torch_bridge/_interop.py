@@ -32,6 +32,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch.utils.dlpack
 
@@ -71,10 +72,17 @@ def _supported() -> str:
   return ", ".join(str(d).removeprefix("torch.") for d in TORCH_TO_JAX_DTYPE)
 
 
+def check_is_tensor(name: str, t) -> None:
+  """Raises TypeError naming ``name`` unless ``t`` is a torch tensor."""
+  if not isinstance(t, torch.Tensor):
+    hint = (" (convert it: torch.tensor(x, dtype=...))"
+            if isinstance(t, (list, tuple, np.ndarray)) else "")
+    raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}{hint}")
+
+
 def check_tensor(name: str, t) -> None:
   """Raises TypeError/ValueError unless ``t`` can cross the bridge without a copy."""
-  if not isinstance(t, torch.Tensor):
-    raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+  check_is_tensor(name, t)
   if t.dtype not in TORCH_TO_JAX_DTYPE:
     hint = " (use int32 for indices)" if t.dtype == torch.int64 else ""
     raise TypeError(f"{name} has dtype {t.dtype}, which the torch bridge does not carry"

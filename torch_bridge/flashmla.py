@@ -32,12 +32,12 @@ def _cache_view(kv_cache, kv_cache_dtype: str):
   if t is None:
     return None
   if kv_cache_dtype == "fp8_model1":
-    from jax_mla.cache.formats import MODEL1_TOKEN_BYTES
+    from jax_mla.cache.model1 import MODEL1
     nb, bs, width = t.shape
+    token = MODEL1.token_bytes
     # FlashMLA views each padded block as bs rows of 584 bytes (token data, then
     # scales); only the block stride says where the next block starts.
-    return t.as_strided((nb, bs, 1, MODEL1_TOKEN_BYTES),
-                        (bs * width, MODEL1_TOKEN_BYTES, MODEL1_TOKEN_BYTES, 1))
+    return t.as_strided((nb, bs, 1, token), (bs * width, token, token, 1))
   return t.unsqueeze(2)
 
 

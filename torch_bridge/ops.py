@@ -1,13 +1,16 @@
 """jax_mla ops callable with torch tensors, and FlashMLA-compatible drop-ins.
 
-Every public jax_mla op is here under the same name and argument order: tensor
-arguments are torch tensors (CPU or CUDA, contiguous, shared without a copy),
-results are torch tensors sharing JAX's output memory. Non-tensor arguments
-(ints, floats, strings, bools, None, tuples) are static: each distinct set of
-them, together with the tensor shapes and dtypes, is compiled once and cached,
-so a repeated call costs one jitted dispatch plus the DLPack hand-offs of
-tensors not seen before (a tensor's imported view is kept while it lives) and
-of the results.
+Every public jax_mla op is here under the same name and argument order (one
+wrapper each, made by :func:`torch_op`; ``help(ops.sparse_mla_decode)`` shows the
+op's own documentation): tensor arguments are torch tensors (CPU or CUDA,
+contiguous, shared without a copy), results are torch tensors sharing JAX's output
+memory. Non-tensor arguments (ints, floats, strings, bools, None, config objects)
+are static: each distinct set of them, together with the tensor shapes and dtypes,
+is compiled once and cached, so a repeated call costs one jitted dispatch plus the
+DLPack hand-offs of tensors not seen before (a tensor's imported view is kept while
+it lives) and of the results. A list, tuple or numpy array where the op takes an
+array is refused with a TypeError naming the argument (convert it with
+``torch.tensor(x, dtype=torch.int32)``; the bridge copies nothing implicitly).
 
 Ops that return an updated cache (``concat_and_cache_mla``) return a new tensor:
 JAX cannot write into memory it borrowed from torch.
@@ -21,40 +24,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 
 import jax
+import numpy as np
 import torch
 
+from jax_mla import cache, dense_decode, dense_prefill, indexing, merge, paged, sparse_mla
 from torch_bridge import _interop
-
-# Public jax_mla ops that take and return arrays, by module.
-OP_MODULES = {
-    "jax_mla.indexing": ("convert_req_index_to_global_index", "expand_page_indices",
-                         "req_id_per_token", "filter_prefill_indices"),
-    "jax_mla.merge": ("merge_attn_states", "lse2_to_lse"),
-    "jax_mla.cache": ("concat_and_cache_mla", "quantize_fp8_ds_mla", "dequantize_fp8_ds_mla",
-                      "quantize_fp8_model1", "dequantize_fp8_model1",
-                      "quantize_fp8_model1_cache", "dequantize_fp8_model1_cache"),
-    "jax_mla.sparse_mla": ("sparse_mla_prefill", "sparse_mla_decode"),
-    "jax_mla.dense_decode": ("mla_decode", "mla_decode_paged", "mla_ragged_paged_attention"),
-    "jax_mla.dense_prefill": ("mla_prefill",),
-    "jax_mla.paged": ("paged_attention",),
-}
 
 _DYNAMIC = object()  # marks a tensor position in a call's static signature
 
 
 def _static(name: str, value):
-  if isinstance(value, list):
-    value = tuple(value)
+  if isinstance(value, (list, tuple, np.ndarray)):
+    raise TypeError(
+        f"{name}: got a {type(value).__name__}; pass a torch.Tensor where the op takes an "
+        "array (e.g. torch.tensor(x, dtype=torch.int32)), a Python scalar, str, bool or None "
+        "where it takes a static value")
   try:
     hash(value)
   except TypeError:
     raise TypeError(f"{name}: non-tensor arguments are compiled in and must be hashable "
-                    f"(int, float, str, bool, None, tuple); got {type(value).__name__}") from None
+                    f"(int, float, str, bool, None); got {type(value).__name__}") from None
   return value
 
 
@@ -69,7 +62,8 @@ def _export_tree(out, stream):
 def torch_op(fn: Callable) -> Callable:
   """Wraps a jax_mla op so that it takes and returns torch tensors.
 
-  Tensor arguments (torch tensors, or jax.Arrays passed through) are dynamic;
+  The wrapper has the op's signature and documentation. Tensor arguments (torch
+  tensors, or jax.Arrays passed through) are dynamic;
   every other argument is static and compiled in. One ``jax.jit`` of ``fn`` is
   kept per static signature; jit caches its executable per shape and dtype.
   On CUDA, the executable waits for torch's current stream when that stream has
@@ -146,31 +140,41 @@ def torch_op(fn: Callable) -> Callable:
              else _interop.import_tensor(fence_t, device, stream))
     return _export_tree(f(fence, *dyn), _interop.torch_stream_ptr(first))
 
+  wrapper.__doc__ = (f"jax_mla's ``{fn.__name__}`` on torch tensors (torch_bridge.ops): tensors "
+                     f"in and out, shared without a copy; other arguments static.\n\n"
+                     f"{fn.__doc__ or ''}")
   wrapper.jax_op = fn
   return wrapper
 
 
-def _wire_ops() -> list[str]:
-  names = []
-  for module_name, op_names in OP_MODULES.items():
-    module = importlib.import_module(module_name)
-    for n in op_names:
-      globals()[n] = torch_op(getattr(module, n))
-      names.append(n)
-  return names
+# ----------------------------------------------------------------------------
+# Every jax_mla op on torch tensors.
 
-
-_WIRED = _wire_ops()
+convert_req_index_to_global_index = torch_op(indexing.convert_req_index_to_global_index)
+expand_page_indices = torch_op(indexing.expand_page_indices)
+req_id_per_token = torch_op(indexing.req_id_per_token)
+filter_prefill_indices = torch_op(indexing.filter_prefill_indices)
+merge_attn_states = torch_op(merge.merge_attn_states)
+lse2_to_lse = torch_op(merge.lse2_to_lse)
+concat_and_cache_mla = torch_op(cache.concat_and_cache_mla)
+quantize_fp8_ds_mla = torch_op(cache.quantize_fp8_ds_mla)
+dequantize_fp8_ds_mla = torch_op(cache.dequantize_fp8_ds_mla)
+quantize_fp8_model1 = torch_op(cache.quantize_fp8_model1)
+dequantize_fp8_model1 = torch_op(cache.dequantize_fp8_model1)
+quantize_fp8_model1_cache = torch_op(cache.quantize_fp8_model1_cache)
+dequantize_fp8_model1_cache = torch_op(cache.dequantize_fp8_model1_cache)
+sparse_mla_prefill = torch_op(sparse_mla.sparse_mla_prefill)
+sparse_mla_decode = torch_op(sparse_mla.sparse_mla_decode)
+mla_decode = torch_op(dense_decode.mla_decode)
+mla_decode_paged = torch_op(dense_decode.mla_decode_paged)
+mla_ragged_paged_attention = torch_op(dense_decode.mla_ragged_paged_attention)
+mla_prefill = torch_op(dense_prefill.mla_prefill)
+paged_attention = torch_op(paged.paged_attention)
 
 
 def kv_cache_shape(*args, **kwargs) -> tuple[int, ...]:
   """jax_mla.cache.kv_cache_shape (a plain shape, no tensors); allocate with torch."""
-  from jax_mla.cache import kv_cache_shape as shape
-  return shape(*args, **kwargs)
-
-
-def _op(name: str) -> Callable:
-  return globals()[name]
+  return cache.kv_cache_shape(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------
@@ -202,13 +206,14 @@ def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
 def _model1_cache(k_cache: torch.Tensor, name: str) -> torch.Tensor:
   """FlashMLA's MODEL1 view ``[nb, bs, 1, 584]`` (block stride = padded block) as
   jax_mla's ``[nb, bs, padded // bs]`` uint8 layout, without a copy."""
-  from jax_mla.cache import model1_block_bytes
+  from jax_mla.cache.model1 import MODEL1
   nb, bs = k_cache.shape[0], k_cache.shape[1]
-  padded = model1_block_bytes(bs)
-  if k_cache.stride(0) != padded or padded % bs or k_cache.stride(1) != 584:
+  padded = MODEL1.block_bytes(bs)
+  if k_cache.stride(0) != padded or padded % bs or k_cache.stride(1) != MODEL1.token_bytes:
     raise ValueError(
         f"{name}: a MODEL1 fp8 cache must be FlashMLA's view of whole padded blocks "
-        f"(block stride {padded} bytes, token stride 584); got strides {k_cache.stride()}")
+        f"(block stride {padded} bytes, token stride {MODEL1.token_bytes}); got strides "
+        f"{k_cache.stride()}")
   storage_end = k_cache.untyped_storage().nbytes() - k_cache.storage_offset()
   if storage_end < nb * padded:
     raise ValueError(f"{name}: the storage behind the MODEL1 cache ends before the padding "
@@ -229,6 +234,13 @@ def _as_cache(k_cache: torch.Tensor | None, name: str, kv_cache_dtype: str):
   if kv_cache_dtype == "fp8_model1":
     return _model1_cache(k_cache, name)
   return k_cache.squeeze(2)
+
+
+def _check_tensors(**tensors) -> None:
+  """FlashMLA's tensor arguments must be torch tensors (``None`` where optional)."""
+  for name, t in tensors.items():
+    if t is not None:
+      _interop.check_is_tensor(name, t)
 
 
 def _contiguous(t):
@@ -282,6 +294,10 @@ def flash_mla_with_kvcache(
   Returns:
     ``(out [batch, s_q, h_q, head_dim_v] bf16, lse [batch, h_q, s_q] float32)``.
   """
+  _check_tensors(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                 indices=indices, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
+                 extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+                 extra_topk_length=extra_topk_length)
   meta = tile_scheduler_metadata
   if not isinstance(meta, FlashMLASchedMeta):
     raise TypeError("tile_scheduler_metadata must come from torch_bridge.ops.get_mla_metadata; "
@@ -314,7 +330,7 @@ def flash_mla_with_kvcache(
       kv_cache_dtype = "fp8_ds_mla" if q.shape[-1] == 576 else "fp8_model1"
     else:
       kv_cache_dtype = "auto"
-    return _op("sparse_mla_decode")(
+    return sparse_mla_decode(
         q, _as_cache(k_cache, "k_cache", kv_cache_dtype), _contiguous(indices),
         kv_cache_dtype=kv_cache_dtype, sm_scale=float(softmax_scale), d_v=head_dim_v,
         attn_sink=attn_sink, topk_length=topk_length,
@@ -336,7 +352,7 @@ def flash_mla_with_kvcache(
                               "cache or sparse mode")
   if head_dim_v != 512:
     raise ValueError(f"head_dim_v must be 512; got {head_dim_v}")
-  return _op("mla_decode_paged")(q, _as_cache(k_cache, "k_cache", "auto"), _contiguous(block_table),
+  return mla_decode_paged(q, _as_cache(k_cache, "k_cache", "auto"), _contiguous(block_table),
                           cache_seqlens, sm_scale=float(softmax_scale), causal=bool(causal))
 
 
@@ -363,11 +379,19 @@ def flash_mla_sparse_fwd(
   Returns:
     ``(out [s_q, h_q, d_v] bf16, max_logits [s_q, h_q] f32, lse [s_q, h_q] f32)``.
   """
-  return _op("sparse_mla_prefill")(_contiguous(q), _contiguous(kv), _contiguous(indices),
+  _check_tensors(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
+  return sparse_mla_prefill(_contiguous(q), _contiguous(kv), _contiguous(indices),
                             sm_scale=float(sm_scale), d_v=d_v, attn_sink=attn_sink,
                             topk_length=topk_length)
 
 
-__all__ = sorted(_WIRED) + ["FlashMLASchedMeta", "flash_mla_sparse_fwd",
-                            "flash_mla_with_kvcache", "get_mla_metadata", "kv_cache_shape",
-                            "torch_op"]
+__all__ = [
+    "FlashMLASchedMeta", "concat_and_cache_mla", "convert_req_index_to_global_index",
+    "dequantize_fp8_ds_mla", "dequantize_fp8_model1", "dequantize_fp8_model1_cache",
+    "expand_page_indices", "filter_prefill_indices", "flash_mla_sparse_fwd",
+    "flash_mla_with_kvcache", "get_mla_metadata", "kv_cache_shape", "lse2_to_lse",
+    "merge_attn_states", "mla_decode", "mla_decode_paged", "mla_prefill",
+    "mla_ragged_paged_attention", "paged_attention", "quantize_fp8_ds_mla", "quantize_fp8_model1",
+    "quantize_fp8_model1_cache", "req_id_per_token", "sparse_mla_decode", "sparse_mla_prefill",
+    "torch_op",
+]

@@ -30,12 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla._common import FP8_E4M3_MAX, Implementation, cdiv
+from jax_mla._common import Implementation, cdiv
 from jax_mla._pytree import pytree_dataclass, static_field
 from jax_mla.backends._batch import split_decodes_and_prefills
-from jax_mla.cache import concat_and_cache_mla
+from jax_mla.cache import concat_and_cache_mla, gather_dequantize
+from jax_mla.cache.e4m3 import cast_fp8
 from jax_mla.dense_decode import mla_decode
-from jax_mla.dense_prefill import mla_prefill
+from jax_mla.dense_prefill import mla_prefill, mla_prefill_token_major
 from jax_mla.indexing import expand_page_indices
 from jax_mla.merge import merge_attn_states
 from jax_mla.sharding import OpSharding, config_heads, set_config_heads
@@ -71,11 +72,6 @@ def padded_num_heads(num_heads: int) -> int:
   while not is_valid_num_heads(num_heads):
     num_heads += 1
   return num_heads
-
-
-def get_actual_mla_num_heads(num_heads: int) -> int:
-  """Head count the decode kernel sees: ``max(num_heads, 16)``."""
-  return max(num_heads, AITER_MIN_MLA_HEADS)
 
 
 def get_mla_padded_q(num_heads: int, q: jax.Array) -> jax.Array:
@@ -311,14 +307,11 @@ def _decompress(kv_c, k_pe, kv_b_proj, config: AiterMLAConfig):
   return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
-def _gather_context(kv_cache, slots, k_scale, dtype):
+def _gather_context(kv_cache, slots, k_scale, dtype, kv_cache_dtype):
   """``gather_and_maybe_dequant_cache``: cache rows at flat ``slots`` (invalid -> 0)."""
-  flat = kv_cache.reshape(-1, kv_cache.shape[-1])
-  ok = (slots >= 0) & (slots < flat.shape[0])
-  rows = flat[jnp.where(ok, slots, 0)].astype(jnp.float32)
-  if k_scale is not None:
-    rows = rows * jnp.asarray(k_scale, jnp.float32).reshape(())
-  return jnp.where(ok[:, None], rows, 0.0).astype(dtype)
+  ok = (slots >= 0) & (slots < kv_cache.shape[0] * kv_cache.shape[1])
+  rows = gather_dequantize(kv_cache, slots, kv_cache_dtype=kv_cache_dtype, scale=k_scale)
+  return jnp.where(ok[:, None], rows, 0).astype(dtype)
 
 
 def _compute_prefill_context(q, kv_cache, prefill: MLACommonPrefillMetadata, kv_b_proj, k_scale,
@@ -327,15 +320,14 @@ def _compute_prefill_context(q, kv_cache, prefill: MLACommonPrefillMetadata, kv_
   ctx = prefill.chunked_context
   output = output_lse = None
   for i in range(len(ctx.seq_tot)):
-    workspace = _gather_context(kv_cache, ctx.slots[i], k_scale, q.dtype)
+    workspace = _gather_context(kv_cache, ctx.slots[i], k_scale, q.dtype, config.kv_cache_dtype)
     k, v = _decompress(workspace[:, :config.kv_lora_rank], workspace[:, config.kv_lora_rank:],
                        kv_b_proj, config)
-    attn_output, attn_lse = mla_prefill(
+    attn_output, attn_lse = mla_prefill_token_major(
         q, k, v, prefill.query_start_loc, ctx.cu_seq_lens[i],
         max_seqlen_q=prefill.max_query_len, max_seqlen_k=ctx.max_seq_lens[i],
-        sm_scale=config.scale, causal=False, return_lse=True,
-        implementation=implementation, interpret=interpret)
-    attn_lse = attn_lse.T  # [H, T] (flash-attn layout) -> [T, H] for merge_attn_states
+        sm_scale=config.scale, causal=False, implementation=implementation,
+        interpret=interpret)
     if output is None:
       output, output_lse = attn_output, attn_lse
     else:
@@ -359,23 +351,17 @@ def forward_mha(q, kv_c_normed, k_pe, kv_cache, prefill: MLACommonPrefillMetadat
   """
   k_pe = k_pe.reshape(k_pe.shape[0], -1)
   k, v = _decompress(kv_c_normed, k_pe, kv_b_proj, config)
-  has_context = prefill.chunked_context is not None
   kw = dict(implementation=implementation, interpret=interpret)
-  output = mla_prefill(q, k, v, prefill.query_start_loc, prefill.query_start_loc,
-                       max_seqlen_q=prefill.max_query_len, max_seqlen_k=prefill.max_query_len,
-                       sm_scale=config.scale, causal=True, return_lse=has_context, **kw)
-  if has_context:
-    suffix_output, suffix_lse = output
-    context_output, context_lse = _compute_prefill_context(
-        q, kv_cache, prefill, kv_b_proj, k_scale if config.kv_cache_dtype == "fp8" else None,
-        config=config, **kw)
-    output, _ = merge_attn_states(suffix_output, suffix_lse.T, context_output, context_lse)
+  qsl = prefill.query_start_loc
+  new_tokens = dict(max_seqlen_q=prefill.max_query_len, max_seqlen_k=prefill.max_query_len,
+                    sm_scale=config.scale, causal=True, **kw)
+  if prefill.chunked_context is None:
+    return mla_prefill(q, k, v, qsl, qsl, **new_tokens)
+  suffix_output, suffix_lse = mla_prefill_token_major(q, k, v, qsl, qsl, **new_tokens)
+  context_output, context_lse = _compute_prefill_context(q, kv_cache, prefill, kv_b_proj,
+                                                         k_scale, config=config, **kw)
+  output, _ = merge_attn_states(suffix_output, suffix_lse, context_output, context_lse)
   return output
-
-
-def _quantize_fp8(x, scale):
-  x = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32).reshape(())
-  return jnp.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
 def forward_mqa(q, kv_cache, decode: AiterMLADecodeMetadata, *, config: AiterMLAConfig,
@@ -452,7 +438,7 @@ def aiter_mla_forward(q, k_c_normed, k_pe, kv_cache, attn_metadata: AiterMLAMeta
     decode_q = jnp.concatenate([ql_nope, q_pe], axis=-1)
     if fp8:
       q_scale = 1.0 if q_scale is None else q_scale
-      decode_q = _quantize_fp8(decode_q, q_scale)
+      decode_q = cast_fp8(decode_q, q_scale)
     attn_out, _ = forward_mqa(decode_q, kv_cache, md.decode, config=config,
                               q_scale=q_scale if fp8 else None, kv_scale=k_scale if fp8 else None,
                               **kw)
@@ -507,9 +493,6 @@ class AiterMLA:
   Metadata = AiterMLAMetadata
   MetadataBuilder = AiterMLAMetadataBuilder
   forward = staticmethod(aiter_mla_forward)
-  forward_mqa = staticmethod(forward_mqa)
-  forward_mha = staticmethod(forward_mha)
-  kv_cache_dtypes = KV_CACHE_DTYPES
 
 
 # Heads split over devices with kv_b_proj's columns (N * (qk_nope + v_head_dim), heads

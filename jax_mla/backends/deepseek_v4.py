@@ -506,10 +506,6 @@ class DeepseekV4Sparse:
   Metadata = DeepseekV4Metadata
   build_metadata = staticmethod(build_deepseek_v4_metadata)
   forward = staticmethod(deepseek_v4_sparse_forward)
-  decode = staticmethod(deepseek_v4_sparse_decode)
-  prefill = staticmethod(deepseek_v4_sparse_prefill)
-  write_swa_cache = staticmethod(deepseek_v4_write_swa_cache)
-  kv_cache_dtypes = KV_CACHE_DTYPES
 
 
 # Heads split over devices with their sinks; caches and metadata replicated.

@@ -171,7 +171,7 @@ def flashmla_sparse_forward(q: jax.Array, k_c_normed: jax.Array, k_pe: jax.Array
   if config.kv_cache_dtype == "fp8_ds_mla":
     # All tokens as one batch of s_q = T queries, as vLLM calls FlashMLA.
     attn, _ = sparse_mla_decode(
-        q_latent[None], kv_cache, slots[None], kv_cache_dtype="fp8_ds_mla",
+        q_latent[None], kv_cache, slots[None], kv_cache_dtype=config.kv_cache_dtype,
         sm_scale=config.scale, implementation=implementation, interpret=interpret)
     attn = attn[0]
   else:
@@ -224,7 +224,6 @@ class FlashMLASparse:
   Metadata = FlashMLASparseMetadata
   build_metadata = staticmethod(build_flashmla_sparse_metadata)
   forward = staticmethod(flashmla_sparse_forward)
-  kv_cache_dtypes = KV_CACHE_DTYPES
 
 
 # Heads split over devices with their weights; the cache and metadata replicated.

@@ -57,7 +57,7 @@ def _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt: Format) -> None:
     raise ValueError(f"slot_mapping must have at most {num_tokens} entries (one per token of "
                      f"kv_c); got shape {list(slot_mapping.shape)}")
   widths = (kv_c.shape[1], k_pe.shape[1])
-  allowed = fmt.input_widths(kv_cache)
+  allowed = fmt.input_widths()
   if allowed is None:
     if sum(widths) != kv_cache.shape[2]:
       raise ValueError(

@@ -70,8 +70,7 @@ class DsMla(Format):
     del block_size, head_size
     return self.token_bytes
 
-  def input_widths(self, kv_cache):
-    del kv_cache
+  def input_widths(self):
     return ((self.nope, self.rope),)
 
   def quantize_tiles(self, tiles: jax.Array, *, pow2_scales: bool = False):

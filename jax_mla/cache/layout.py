@@ -108,10 +108,9 @@ class Format:
     """Width of the latents ``cache`` holds."""
     return cache.shape[-1] if self.head_size is None else self.head_size
 
-  def input_widths(self, kv_cache) -> tuple[tuple[int, int], ...] | None:
+  def input_widths(self) -> tuple[tuple[int, int], ...] | None:
     """The ``(kv_c, k_pe)`` widths the writer takes; ``None``: any pair adding up to
     the cache width."""
-    del kv_cache
     return None
 
   def gather_dequantize(self, kv_cache: jax.Array, slots: jax.Array,

@@ -85,10 +85,9 @@ class Model1(Format):
           f"cache can be viewed as [num_blocks, block_size, width]; got block_size={block_size}")
     return padded // block_size
 
-  def input_widths(self, kv_cache):
+  def input_widths(self):
     # V4 has one 512-wide latent: passed split (448 | 64) or whole with an empty k_pe,
     # as vLLM's V4 writer takes the whole latent.
-    del kv_cache
     return ((self.nope, self.rope), (self.head_size, 0))
 
   def quantize_tiles(self, tiles: jax.Array):

@@ -74,15 +74,16 @@ def _int_metadata(rank, **arrays):
   return out
 
 
-def _triton_config(config, num_kv_splits, **shape):
-  return triton.with_defaults(check_config(config, triton.Config, "triton"),
+def _triton_config(impl, config, num_kv_splits, **shape):
+  """The private function's ``config``: ``None`` runs the reference (which has no tuning:
+  any of this op's configs is accepted there, unused), a complete :class:`triton.Config`
+  the Triton kernel."""
+  if impl == "xla":
+    if config is not None and not isinstance(config, (triton.Config, mosaic.Config)):
+      check_config(config, triton.Config, impl)
+    return None
+  return triton.with_defaults(check_config(config, triton.Config, impl),
                               num_kv_splits=num_kv_splits, **shape)
-
-
-def _xla_config(config):
-  """The reference has no tuning: any of this op's configs is accepted and unused."""
-  if config is not None and not isinstance(config, (triton.Config, mosaic.Config)):
-    check_config(config, triton.Config, "xla")
 
 
 def _run_triton(q2d, kv_cache, meta, page_ids, scales, *, h_q, rows_per_group, causal,
@@ -168,14 +169,9 @@ def mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
         ((num_pages <= 0) | lens_ok | (page_size == 1),
          f"kv_last_page_lens must lie in [1, page_size={page_size}]"))
   sm_scale = D_QK**-0.5 if sm_scale is None else float(sm_scale)
-  impl = resolve_implementation(implementation, interpret)
-  if impl == "xla":
-    _xla_config(config)
-    config = None
-  else:
-    config = _triton_config(config, num_kv_splits, rows_per_group=max_seqlen_q * h_q,
-                            num_groups=num_req,
-                            avg_kv_len=kv_indices.shape[0] * page_size / num_req)
+  config = _triton_config(resolve_implementation(implementation, interpret), config,
+                          num_kv_splits, rows_per_group=max_seqlen_q * h_q, num_groups=num_req,
+                          avg_kv_len=kv_indices.shape[0] * page_size / num_req)
   return _mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, q_scale,
                      kv_scale, max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=bool(causal),
                      config=config, interpret=interpret)
@@ -262,16 +258,13 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
       mosaic.check_supported, q, kv_cache, causal=causal):
     impl = "mosaic"
   max_blocks = block_table.shape[1]
-  if impl == "xla":
-    _xla_config(config)
-    config = None
-  elif impl == "mosaic":
+  if impl == "mosaic":
     config = mosaic.with_defaults(check_config(config, mosaic.Config, impl),
                                   num_kv_splits=num_kv_splits, batch=b, s_q=s_q, h_q=h_q,
                                   max_blocks=max_blocks)
   else:
-    config = _triton_config(config, num_kv_splits, rows_per_group=s_q * h_q, num_groups=b,
-                            avg_kv_len=max_blocks * block_size)
+    config = _triton_config(impl, config, num_kv_splits, rows_per_group=s_q * h_q,
+                            num_groups=b, avg_kv_len=max_blocks * block_size)
   out, lse = _mla_decode_paged(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale,
                                causal=bool(causal), config=config, interpret=interpret)
   return out, lse.transpose(0, 2, 1)  # FlashMLA's [b, h_q, s_q]
@@ -395,14 +388,10 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
   page_size = cache_kv.shape[1]
   pages_per_seq = page_indices.shape[0] // num_seqs_max
   tokens_per_group = num_queries_per_block or max(1, 16 // n_heads)
-  impl = resolve_implementation(implementation, interpret)
-  if impl == "xla":
-    _xla_config(config)
-    config = None
-  else:
-    config = _triton_config(config, num_kv_splits, rows_per_group=tokens_per_group * n_heads,
-                            num_groups=num_seqs_max + -(-num_tokens // tokens_per_group),
-                            avg_kv_len=pages_per_seq * page_size)
+  config = _triton_config(resolve_implementation(implementation, interpret), config,
+                          num_kv_splits, rows_per_group=tokens_per_group * n_heads,
+                          num_groups=num_seqs_max + -(-num_tokens // tokens_per_group),
+                          avg_kv_len=pages_per_seq * page_size)
   return _mla_ragged_paged_attention(
       ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices, cu_q_lens,
       distribution, q_scale, k_scale, v_scale, sm_scale=sm_scale,

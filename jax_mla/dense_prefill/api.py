@@ -143,3 +143,14 @@ def _mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqle
                                          max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
                                          causal=causal, config=config, interpret=interpret)
   return out, (lse.T if head_major_lse else lse)
+
+
+# --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------
+from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
+
+# Ragged metadata (cu_seqlens): requests only stacked. mla_prefill's LSE is [H, Tq].
+mla_prefill.sharding = OpSharding(
+    heads=dict(q=1, k=1, v=1), head_outs=lambda a: (1, 0) if a["return_lse"] else 1,
+    num_heads=shape_of("q", 1))
+mla_prefill_token_major.sharding = OpSharding(heads=dict(q=1, k=1, v=1), head_outs=(1, 1),
+                                              num_heads=shape_of("q", 1))

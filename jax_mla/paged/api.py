@@ -206,3 +206,15 @@ def paged_attention(
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,
       sliding_window=sliding_window, config=config, interpret=interpret,
       has_out_scale=out_scale is not None)
+
+
+# --- sharding: how jax_mla.sharding splits this op over devices (see OpSharding) -----------
+from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
+
+# Heads are counted in KV heads: query head i reads KV head i // (Hq // Hkv), so the
+# query, sink and ALiBi head axes hold Hkv groups of Hq // Hkv, KV heads outermost,
+# and a device gets whole groups. query_start_loc is ragged: requests only stacked.
+paged_attention.sharding = OpSharding(
+    heads=dict(query=1, key_cache=1, value_cache=1, sinks=0, alibi_slopes=0), head_outs=1,
+    num_heads=shape_of("key_cache", 1),
+    shared=("scale", "k_scale", "v_scale", "sinks", "alibi_slopes", "out_scale"))

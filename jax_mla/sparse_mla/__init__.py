@@ -4,6 +4,10 @@
 latent array; ``sparse_mla_decode`` does the same on a paged cache
 (``"fp8_ds_mla"``, ``"fp8_model1"`` or bf16), with an optional extra key set in the
 same softmax.
+
+Modules: :mod:`.api` (the public ops), :mod:`.reference` (the jax.numpy oracle),
+:mod:`.triton` and :mod:`.mosaic` (the kernels, each with its ``Config``) and
+:mod:`.layout` (index plumbing the reference and the kernels share).
 """
 
 from jax_mla.sparse_mla.api import sparse_mla_decode, sparse_mla_prefill

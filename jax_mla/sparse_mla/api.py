@@ -30,13 +30,15 @@ from jax_mla._common import (
   resolve_implementation,
 )
 from jax_mla.cache.auto import AUTO
+from jax_mla.cache.ds_mla import DS_MLA
 from jax_mla.cache.formats import check_cache, resolve
 from jax_mla.cache.layout import Format
+from jax_mla.cache.model1 import MODEL1
 from jax_mla.sparse_mla import mosaic, reference, triton
 from jax_mla.sparse_mla.layout import token_lengths
 
 D_QKS = (D_QK, D_QK_V4)
-DECODE_CACHE_DTYPES = ("fp8_ds_mla", "fp8_model1", "auto")
+DECODE_CACHE_DTYPES = tuple(f.name for f in (DS_MLA, MODEL1, AUTO))  # the formats decode reads
 
 
 def _check_d_v(d_v) -> None:

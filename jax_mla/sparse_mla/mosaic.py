@@ -353,21 +353,23 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     # Both consumers are done with Q: its halves become the output staging.
     plgpu.barrier_arrive(done_bar)
     plgpu.barrier_wait(done_bar)
-    live = l > 0  # a valid key adds exp2(0) = 1 at the row max
-    l_safe = jnp.where(live, l, 1.0)
+    # No valid key: l == 0 (a valid key adds exp2(0) = 1 at the row max). A NaN score at
+    # a valid key makes l NaN, which is not empty: out and lse come out NaN.
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
     lse2 = m + jnp.log2(l_safe)
     sink = plgpu.load(sink_smem, (), layout=row, optimized=False)
     # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
-    inv = jnp.where(live, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))), 0.0)
+    inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
     q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
     @pl.when(wg == 0)
     def _():
-      stats.at[0][...] = jnp.where(live, m * LN2, -jnp.inf)
+      stats.at[0][...] = jnp.where(empty, -jnp.inf, jnp.where(jnp.isnan(l), jnp.nan, m * LN2))
 
     @pl.when(wg == 1)
     def _():
-      stats.at[1][...] = jnp.where(live, lse2 * LN2, jnp.inf)
+      stats.at[1][...] = jnp.where(empty, jnp.inf, lse2 * LN2)
 
     plgpu.commit_smem()
     rows = pl.ds(r0, BLOCK_H)

@@ -5,7 +5,8 @@ of slots``, or at positions ``>= topk_length``) are masked and their rows zeroed
 before any arithmetic, so NaN in unused slots never reaches an output; the sink
 scales the output by ``exp(lse) / (exp(lse) + exp(sink))`` and leaves ``lse``
 alone; a query row with no valid key gets ``out = 0``, ``lse = +inf`` and
-``max_logits = -inf``.
+``max_logits = -inf``; a NaN score at a valid key (a NaN query, a NaN in a used
+slot) gives NaN in all three.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def attend_gathered(q: jax.Array, rows: jax.Array, valid: jax.Array, attn_sink: 
   s = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), rows,
                  precision=lax.Precision.HIGHEST) * sm_scale
   s = jnp.where(valid[:, None, :], s, -jnp.inf)
-  max_logits = jnp.max(s, axis=-1)
+  # A NaN score at a valid key (a NaN query, say) makes the row NaN, whatever NaN rule
+  # the backend's max follows; the row is not empty then.
+  max_logits = jnp.where(jnp.isnan(s).any(axis=-1), jnp.nan, jnp.max(s, axis=-1))
   empty = max_logits == -jnp.inf
   lse = jnp.where(empty, 0.0, jax.nn.logsumexp(jnp.where(empty[..., None], 0.0, s), axis=-1))
   p = jnp.exp(s - lse[..., None])

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_mla import _softmax
 from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.e4m3 import FP8
@@ -258,8 +259,7 @@ def _sparse_mla_kernel(*refs, sources: Sequence[KVSource], topks: Sequence[int],
         for c, w in pieces]
   v_ids = [i for i, (c, w) in enumerate(pieces) if c + w <= d_v]
 
-  m = jnp.full((block_h,), -jnp.inf, jnp.float32)
-  l = jnp.zeros((block_h,), jnp.float32)
+  m, l = _softmax.init(block_h)
   accs = tuple(jnp.zeros((block_h, pieces[i][1]), jnp.float32) for i in v_ids)
   carry = (m, l, accs)
   for (src, idx_ref, len_ref, kv_refs), topk in zip(sets, topks, strict=True):
@@ -276,36 +276,28 @@ def _sparse_mla_kernel(*refs, sources: Sequence[KVSource], topks: Sequence[int],
       for qp, kp in zip(qs, ks, strict=True):
         d = lax.dot_general(qp, kp, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = d if s is None else s + d
-      s = jnp.where(valid[None, :], s * scale_log2, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no (-inf) - (-inf)
-      alpha = jnp.exp2(m - m_use)
-      p = jnp.exp2(s - m_use[:, None])
-      l = l * alpha + jnp.sum(p, axis=1)
+      m, l, alpha, p = _softmax.step(m, l, s * scale_log2, valid[None, :])
       pb = p.astype(jnp.bfloat16)
       accs = tuple(
           a * alpha[:, None] + jnp.dot(pb, ks[j], preferred_element_type=jnp.float32)
           for a, j in zip(accs, v_ids, strict=True))
-      return m_new, l, accs
+      return m, l, accs
 
     carry = lax.fori_loop(0, (length + block_k - 1) // block_k, body, carry)
   m, l, accs = carry
 
-  empty = l == 0.0  # a valid key contributes exp2(0) = 1 at the row max
-  lse2 = m + jnp.log2(jnp.where(empty, 1.0, l))
-  scale = 1.0 / jnp.where(empty, 1.0, l)
-  if has_sink:
-    sink = plgpu.load(sink_ref.at[pl.ds(h0, block_h)], mask=head_ok, other=-jnp.inf)
-    # out *= exp(lse) / (exp(lse) + exp(sink)); sink=+inf -> 0, -inf -> 1.
-    scale = scale / (1.0 + jnp.exp2(sink * LOG2E - lse2))
-  scale = jnp.where(empty, 0.0, scale)
+  sink = (plgpu.load(sink_ref.at[pl.ds(h0, block_h)], mask=head_ok, other=-jnp.inf)
+          if has_sink else None)
+  inv, lse = _softmax.finish(m, l, sink=sink)
   for a, j in zip(accs, v_ids, strict=True):
     c, w = pieces[j]
     plgpu.store(o_ref.at[t, pl.ds(h0, block_h), pl.ds(c, w)],
-                (a * scale[:, None]).astype(o_ref.dtype), mask=head_ok[:, None])
-  plgpu.store(ml_ref.at[t, pl.ds(h0, block_h)], m * LN2, mask=head_ok)
-  plgpu.store(lse_ref.at[t, pl.ds(h0, block_h)], jnp.where(empty, jnp.inf, lse2 * LN2),
+                (a * inv[:, None]).astype(o_ref.dtype), mask=head_ok[:, None])
+  # A NaN score at a valid key makes l NaN (and out, lse); Triton's max ignores NaN, so
+  # max_logits follows l.
+  plgpu.store(ml_ref.at[t, pl.ds(h0, block_h)], jnp.where(jnp.isnan(l), jnp.nan, m * LN2),
               mask=head_ok)
+  plgpu.store(lse_ref.at[t, pl.ds(h0, block_h)], lse, mask=head_ok)
 
 
 def _run(q: jax.Array, sets: Sequence[tuple[KVSource, jax.Array, jax.Array, Sequence[jax.Array]]],
