@@ -5,11 +5,9 @@ VPY := $(VENV)/bin/python
 # The project's python: the venv where there is one, else $(PY) (a GPU machine's own
 # python with jax[cuda] and torch).
 RUN_PY = $(if $(wildcard $(VPY)),$(VPY),$(PY))
-# CPU torch for the bridge tests. PyPI's torch==2.13.0 is the CUDA build (about 6 GB with
-# its nvidia-* wheels); the CPU wheel index has 2.13.0+cpu, which pip prefers to it. Where
-# that index cannot be reached, pip says so once and takes the best torch it finds elsewhere.
+# torch for the bridge tests. This machine's pip finds the CPU wheel of this version in its
+# local wheel folder; elsewhere see README ("The torch bridge") for the CPU wheel index.
 TORCH_CPU ?= torch==2.13.0
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install test test-gpu demo bench bench-smoke lint clean
 
@@ -22,7 +20,7 @@ $(VENV)/.package: pyproject.toml
 
 # Everything the CPU suite, the bridge and the linter need.
 $(VENV)/.installed: $(VENV)/.package
-	$(VPY) -m pip install -q --retries 0 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)"
+	$(VPY) -m pip install -q "$(TORCH_CPU)"
 	$(VPY) -m pip install -q -e ".[test,lint]"
 	touch $@
 

@@ -95,10 +95,11 @@ def main() -> int:
   num_reqs, block_size = len(seq_lens), 64
   blocks_per_req = -(-seq_lens.max() // block_size)
   num_blocks = num_reqs * blocks_per_req + 3  # a few blocks no request owns
-  print(f"jax-mla demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
-        f"each step runs {kernel_name}.")
-  print(f"{num_reqs} requests with {', '.join(map(str, seq_lens))} tokens of context; {heads} "
-        f"query heads; every token attends to the {topk} earlier tokens its indexer picked.\n")
+  device = jax.devices()[0].device_kind
+  print(f"jax-mla demo on {device if on_gpu else 'the CPU'}: each step runs {kernel_name}.")
+  print(f"{num_reqs} requests with {', '.join(map(str, seq_lens))} tokens of context, {heads} "
+        f"query heads.\nEach query token attends to up to {topk} earlier tokens, chosen by the "
+        "model's indexer (DeepSeek V3.2's sparse attention).\n")
 
   # ---- 1. Cache write.
   check.step = "1/4"

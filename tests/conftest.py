@@ -14,11 +14,17 @@ CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
 
 
 def pytest_configure(config):
-  if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
-    return  # the pytest-xdist controller runs no test: leave the GPU to the workers
+  # The pytest-xdist controller runs no test: it leaves the GPU to the workers, except to
+  # stop `make test-gpu` at once on a machine without one.
+  controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+  require_gpu = os.environ.get("JAX_MLA_REQUIRE_GPU")  # set by `make test-gpu`
+  if controller and not require_gpu:
+    return
   if not has_gpu():
-    if os.environ.get("JAX_MLA_REQUIRE_GPU"):  # `make test-gpu`: no silent CPU run
+    if require_gpu:
       pytest.exit(f"make test-gpu needs a GPU; JAX found only {jax.devices()}", returncode=1)
+    return
+  if controller:
     return
   # GPU compilations take most of the GPU suite's time; a later run (or another pytest
   # process) reuses them. Every entry is kept, however fast it compiled or small it is.

@@ -159,20 +159,16 @@ def test_no_metadata_gives_zeros():
 
 
 def test_bad_inputs_name_argument():
-  cfg = FlashMLASparseConfig(num_heads=H, scale=0.1, kv_cache_dtype="fp8")
+  def forward(config, w_uv_shape=(H, L, V)):
+    return flashmla_sparse_forward(
+        jnp.ones((3, H, P + R), jnp.bfloat16), jnp.ones((3, L), jnp.bfloat16),
+        jnp.ones((3, R), jnp.bfloat16), jnp.ones((2, BS, 576), jnp.bfloat16),
+        jnp.zeros((3, 4), jnp.int32), jnp.ones((H, P, L), jnp.bfloat16),
+        jnp.ones(w_uv_shape, jnp.bfloat16), None, config=config)
   with pytest.raises(ValueError, match="kv_cache_dtype"):
-    flashmla_sparse_forward(
-        jnp.ones((3, H, P + R), jnp.bfloat16), jnp.ones((3, L), jnp.bfloat16),
-        jnp.ones((3, R), jnp.bfloat16), jnp.ones((2, BS, 576), jnp.bfloat16),
-        jnp.zeros((3, 4), jnp.int32), jnp.ones((H, P, L), jnp.bfloat16),
-        jnp.ones((H, L, V), jnp.bfloat16), None, config=cfg)
-  cfg = FlashMLASparseConfig(num_heads=H, scale=0.1)
+    forward(FlashMLASparseConfig(num_heads=H, scale=0.1, kv_cache_dtype="fp8"))
   with pytest.raises(ValueError, match="w_uv"):
-    flashmla_sparse_forward(
-        jnp.ones((3, H, P + R), jnp.bfloat16), jnp.ones((3, L), jnp.bfloat16),
-        jnp.ones((3, R), jnp.bfloat16), jnp.ones((2, BS, 576), jnp.bfloat16),
-        jnp.zeros((3, 4), jnp.int32), jnp.ones((H, P, L), jnp.bfloat16),
-        jnp.ones((H, V, L), jnp.bfloat16), None, config=cfg)
+    forward(FlashMLASparseConfig(num_heads=H, scale=0.1), w_uv_shape=(H, V, L))
 
 
 def test_class_docstring_example_runs():

@@ -133,6 +133,21 @@ def test_nan_outside_sequences_does_not_leak(interpret):
     assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
 
 
+def test_nan_query_row_gives_nan_in_kernel_and_reference(interpret):
+  # A NaN score is not "no key": kernel and reference both return NaN for that row only.
+  len_q, len_k = [4, 3], [6, 3]
+  q, k, v, cu_q, cu_k = _inputs(10, len_q, len_k)
+  q = q.at[1, 0].set(jnp.nan)
+  for impl in ("triton", "xla"):
+    out, lse = _run(q, k, v, cu_q, cu_k, len_q, len_k, True, implementation=impl,
+                    interpret=interpret)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.isnan(out[1, 0]).all() and np.isnan(lse[0, 1]), impl
+    nan_rows = np.isnan(out).any(-1)
+    nan_rows[1, 0] = False
+    assert not nan_rows.any() and np.isnan(lse).sum() == 1, impl
+
+
 def test_validation_errors():
   q, k, v, cu, _ = _inputs(7, [4], [4])
   kw = dict(max_seqlen_q=4, max_seqlen_k=4, sm_scale=0.1)

@@ -9,8 +9,8 @@ are static: each distinct set of them, together with the tensor shapes and dtype
 is compiled once and cached, so a repeated call costs one jitted dispatch plus the
 DLPack hand-offs of tensors not seen before (a tensor's imported view is kept while
 it lives) and of the results. A list, tuple or numpy array where the op takes an
-array is refused with a TypeError naming the argument (convert it with
-``torch.tensor(x, dtype=torch.int32)``; the bridge copies nothing implicitly).
+array is refused with a TypeError naming the argument (convert it first, e.g.
+``torch.tensor(x, dtype=torch.int32)``).
 
 Ops that return an updated cache (``concat_and_cache_mla``) return a new tensor:
 JAX cannot write into memory it borrowed from torch.
@@ -83,7 +83,7 @@ def torch_op(fn: Callable) -> Callable:
     # keep_unused: the fence must reach the executable, which waits for it.
     return jax.jit(call, keep_unused=True)
 
-  @functools.wraps(fn)
+  @functools.wraps(fn, updated=())  # not fn.__dict__ (its `sharding` is for jax arrays)
   def wrapper(*args, **kwargs):
     tensors, names = [], []
     spec = []

@@ -449,7 +449,6 @@ def aiter_mla_forward(q, k_c_normed, k_pe, kv_cache, attn_metadata: AiterMLAMeta
   return output.reshape(num_tokens, config.num_heads * config.v_head_dim), kv_cache
 
 
-
 class AiterMLA:
   """Dense MLA layer (vLLM's ``ROCM_AITER_MLA`` backend), functional, for any GPU.
 

@@ -48,9 +48,12 @@ def mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
   p = jnp.exp(s - m_safe[..., None])
   l = jnp.sum(p, axis=-1)                                                     # [B, H, Sq]
   o = jnp.einsum("bhqk,bkhd->bqhd", p, vp.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+  # No visible key: l == 0 (out 0, lse +inf). A NaN score makes l NaN: NaN out, as the
+  # kernel gives.
+  empty = l == 0
   l_q = jnp.transpose(l, (0, 2, 1))[..., None]                                # [B, Sq, H, 1]
-  o = jnp.where(l_q > 0, o / jnp.where(l_q > 0, l_q, 1.0), 0.0)
-  lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+  o = jnp.where(l_q == 0, 0.0, o / jnp.where(l_q == 0, 1.0, l_q))
+  lse = jnp.where(empty, jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)))
 
   # Scatter back; padding rows (and tokens past cu_seqlens_q[-1]) keep out=0, lse=+inf.
   dst = jnp.where(q_valid, q_idx, num_tokens)
