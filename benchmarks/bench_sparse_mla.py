@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
+from jax_mla import _mosaic
 from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill, triton
 
@@ -120,7 +121,7 @@ def check(small=False) -> bool:
     sink = _sink(k[4], h_q)
     kw = dict(sm_scale=d_qk ** -0.5, attn_sink=sink, topk_length=lens)
     ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
-    for impl in ["triton"] + (["mosaic"] if mosaic.default_for(q) else []):
+    for impl in ["triton"] + (["mosaic"] if _mosaic.default_for(mosaic.check_supported, q) else []):
       got = sparse_mla_prefill(q, kv, idx, implementation=impl, **kw)
       report(f"prefill[{impl}] d{d_qk} h{h_q} topk{topk}", got, ref, 2)
       ml = rel_err(got[1], ref[1])
@@ -158,7 +159,7 @@ def check(small=False) -> bool:
                                                    eidx, -1))
       kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=elens)
     ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
-    for impl in ["triton"] + (["mosaic"] if mosaic.default_for(q) else []):
+    for impl in ["triton"] + (["mosaic"] if _mosaic.default_for(mosaic.check_supported, q) else []):
       got = sparse_mla_decode(q, cache, idx, implementation=impl, **kw)
       report(f"decode[{impl}] {dt} bs{bs} extra{extra}", got, ref, 1)
   return all(r[-1] for r in rows)
@@ -231,14 +232,15 @@ def run(rows=ROWS) -> list[Row]:
       sets, flop = _prefill_sets(spec)
       q, kv, idx, sink = sets[0]
       ref = _prefill_call(spec, implementation="xla")(q[:64], kv, idx[:64], sink)
-      impls = ["triton"] + (["mosaic"] if mosaic.default_for(q) else [])
+      impls = ["triton"] + (["mosaic"] if _mosaic.default_for(mosaic.check_supported, q) else [])
       calls = [(f"sparse_mla_prefill[{impl}]", _prefill_call(spec, implementation=impl))
                for impl in impls]
       checked_args = (q[:64], kv, idx[:64], sink)
       lse_at = 2
     else:
       sets, flop = _decode_sets(spec)
-      impls = ["triton"] + (["mosaic"] if mosaic.default_for(sets[0][0]) else [])
+      impls = ["triton"] + (
+          ["mosaic"] if _mosaic.default_for(mosaic.check_supported, sets[0][0]) else [])
       calls = [(f"sparse_mla_decode[{impl}]", _decode_call(spec, implementation=impl))
                for impl in impls]
       checked_args = sets[0]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla import _mosaic
 from jax_mla.cache import quantize_fp8_ds_mla, quantize_fp8_model1_cache
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.dense_prefill import mla_prefill
@@ -122,7 +123,8 @@ def main():
   bad = 0
   for name in args.only.split(","):
     fn, impl = KERNELS[name]
-    if impl == "mosaic" and not mosaic.default_for(jnp.zeros((1, 64, 576), jnp.bfloat16)):
+    if impl == "mosaic" and not _mosaic.default_for(
+        mosaic.check_supported, jnp.zeros((1, 64, 576), jnp.bfloat16)):
       print(f"{name}: skipped (needs Hopper and jax >= 0.11)", flush=True)
       continue
     for out in fn(impl):

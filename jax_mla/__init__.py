@@ -12,11 +12,15 @@ formats in :mod:`jax_mla.cache`.
 from jax_mla._common import FP8_E4M3_MAX
 from jax_mla.cache import (
     concat_and_cache_mla,
+    dequantize_fp4_v41,
     dequantize_fp8_ds_mla,
     dequantize_fp8_model1,
+    dequantize_fp8_v41,
     kv_cache_shape,
+    quantize_fp4_v41,
     quantize_fp8_ds_mla,
     quantize_fp8_model1,
+    quantize_fp8_v41,
 )
 from jax_mla.dense_decode import mla_decode, mla_decode_paged, mla_ragged_paged_attention
 from jax_mla.dense_prefill import mla_prefill
@@ -34,9 +38,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP8_E4M3_MAX", "concat_and_cache_mla", "convert_req_index_to_global_index",
-    "dequantize_fp8_ds_mla", "dequantize_fp8_model1", "expand_page_indices",
-    "filter_prefill_indices", "kv_cache_shape", "lse2_to_lse", "merge_attn_states", "mla_decode",
-    "mla_decode_paged", "mla_prefill", "mla_ragged_paged_attention", "paged_attention",
-    "quantize_fp8_ds_mla", "quantize_fp8_model1", "req_id_per_token", "sparse_mla_decode",
+    "dequantize_fp4_v41", "dequantize_fp8_ds_mla", "dequantize_fp8_model1",
+    "dequantize_fp8_v41", "expand_page_indices", "filter_prefill_indices", "kv_cache_shape",
+    "lse2_to_lse", "merge_attn_states", "mla_decode", "mla_decode_paged", "mla_prefill",
+    "mla_ragged_paged_attention", "paged_attention", "quantize_fp4_v41", "quantize_fp8_ds_mla",
+    "quantize_fp8_model1", "quantize_fp8_v41", "req_id_per_token", "sparse_mla_decode",
     "sparse_mla_prefill",
 ]

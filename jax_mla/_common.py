@@ -14,8 +14,9 @@ cannot show.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import jax
@@ -95,6 +96,35 @@ def check_config(config, config_type: type, implementation: str):
   return config
 
 
+def backend_config(implementation: str, config, **backends):
+  """The op's private ``config`` argument for the backend that runs.
+
+  ``backends``: each kernel backend of the op by name (``triton=``, ``mosaic=``) as
+  ``(its Config type, the function that completes a user's config for this call)``;
+  the function takes the config or ``None`` (the heuristic). The reference
+  (``"xla"``) has no tuning and gets ``None``: a config of any of the op's backends is
+  accepted there, unused, so one config serves every implementation. Any other config
+  raises ``TypeError`` (:func:`check_config`).
+  """
+  if implementation == "xla":
+    types = tuple(config_type for config_type, _ in backends.values())
+    if config is not None and not isinstance(config, types):
+      check_config(config, types[0], implementation)
+    return None
+  config_type, complete = backends[implementation]
+  return complete(check_config(config, config_type, implementation))
+
+
+def with_num_splits(config, num_kv_splits: int | None, default: Callable[[], int]):
+  """``config`` with ``num_splits`` set: the op's ``num_kv_splits`` when given (it
+  replaces ``config.num_splits``), else the config's own, else ``default()``."""
+  if num_kv_splits is not None:
+    return dataclasses.replace(config, num_splits=num_kv_splits)
+  if config.num_splits is not None:
+    return config
+  return dataclasses.replace(config, num_splits=default())
+
+
 def check_rank(name: str, x, ranks: int | Iterable[int]) -> None:
   ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
   if x.ndim not in ranks:
@@ -143,6 +173,19 @@ def check_values(checks: bool, *conditions) -> None:
     return
   for ok, message, *fmt in conditions:
     checkify.check(jnp.all(ok), message, **(fmt[0] if fmt else {}))
+
+
+def check_power_of_two(name: str, value, minimum: int) -> None:
+  """A tile size: a Python int, a power of two, at least ``minimum``."""
+  if not isinstance(value, int) or value < minimum or value & (value - 1):
+    raise ValueError(f"{name} must be a power of two >= {minimum}; got {value!r}")
+
+
+def check_num_splits(name: str, value) -> None:
+  """A KV split count (``Config.num_splits``, an op's ``num_kv_splits``): ``None`` (the
+  heuristic) or a Python int >= 1."""
+  if value is not None and (not isinstance(value, int) or value < 1):
+    raise ValueError(f"{name} must be None or an int >= 1; got {value!r}")
 
 
 def check_shape(name: str, x, shape: Sequence[int | None]) -> None:

@@ -64,6 +64,81 @@ def default_for(check, *args, **kwargs) -> bool:
   return True
 
 
+def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, mask,
+                   scale: float):
+  """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
+  (dense decode and sparse MLA; call after ``set_max_registers``).
+
+  A producer warpgroup fills a ring of key stages in SMEM; the two consumers (``wg``
+  0 and 1) each own 256 of the 512 output columns. Per stage both compute the same
+  ``S = Q K^T``, over the two 256-wide halves of the 512 main columns plus the RoPE
+  columns, mask it, run the online softmax in base 2 and multiply ``P`` by their half
+  of ``V`` (the main columns of the same key rows).
+
+  Args:
+    wg: this consumer's index (``lax.axis_index("wg")``).
+    q_main, q_rope: SMEM ``[2, rows, 256]`` and ``[rows, rope]`` queries (``q_rope``
+      None: no RoPE columns).
+    k_main, k_rope: SMEM rings ``[stages, 2, keys, 256]`` and ``[stages, keys, rope]``.
+    steps: key stages to consume (traced).
+    barriers: ``(q_bar, kv_bar, free_bar, done_bar)``: query loaded, stage loaded (one
+      per stage), stage free (one per stage, both consumers arrive), both consumers done
+      with the query.
+    mask: ``mask(i, slot)`` runs before stage ``i`` (ring slot ``slot``) is waited for,
+      so work that does not read the stage overlaps the wait; it returns the function
+      that sets the float32 scores of absent keys to ``-inf``.
+    scale: the softmax scale times ``log2(e)``.
+
+  Returns:
+    ``(acc, m, l)`` once both consumers are done with the query, whose SMEM may then
+    stage the output: the float32 accumulator ``[rows, 256]``, the row max (scaled
+    base-2 units) and sum. Finish with :func:`empty_rows`.
+  """
+  plgpu = plgpu_mod
+  q_bar, kv_bar, free_bar, done_bar = barriers
+  num_stages, _, keys, half = k_main.shape
+  rows = q_main.shape[1]
+  row = row_layout(plgpu)
+  acc = plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA)
+  m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row)
+  l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row)
+  plgpu.barrier_wait(q_bar)
+
+  def step(i, carry):
+    acc, m, l = carry
+    slot = lax.rem(i, num_stages)
+    apply_mask = mask(i, slot)
+    plgpu.barrier_wait(kv_bar.at[slot])
+
+    def qk(s_ref):
+      for h in range(2):
+        plgpu.wgmma(s_ref, q_main.at[h], k_main.at[slot, h].transpose((1, 0)))
+      if q_rope is not None:
+        plgpu.wgmma(s_ref, q_rope, k_rope.at[slot].transpose((1, 0)))
+      return s_ref[...]
+
+    s = apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
+    acc, m, l = online_softmax_step(plgpu, s, m, l, acc, k_main.at[slot, wg], scale)
+    plgpu.barrier_arrive(free_bar.at[slot])
+    return acc, m, l
+
+  acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+  plgpu.barrier_arrive(done_bar)
+  plgpu.barrier_wait(done_bar)
+  return acc, m, l
+
+
+def empty_rows(l):
+  """``(empty, l_safe)`` after the last stage: rows with no key, and ``l`` with 1 there.
+
+  A row is empty iff ``l == 0`` (a key adds ``exp2(0) = 1`` at the row max). A NaN
+  score (a NaN query, say) makes ``l`` NaN, which is not empty: the row's output and
+  LSE come out NaN, as the references give.
+  """
+  empty = l == 0.0
+  return empty, jnp.where(empty, 1.0, l)
+
+
 def online_softmax_step(plgpu_mod, s, m, l, acc, v_ref, scale: float):
   """One key block of a consumer warpgroup's online softmax and ``P V``.
 

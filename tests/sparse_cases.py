@@ -1,9 +1,12 @@
 """Random sparse-MLA inputs shared by the kernel tests (import as `from sparse_cases import ...`).
 
 Cases follow FlashMLA's tests: invalid indices of every kind, short and zero
-``topk_length``, sinks at +-inf, NaN in every unused cache slot.
+``topk_length``, sinks at +-inf, NaN in every unused cache slot. Arrays are made on the
+host and moved with ``jax.device_put`` (a ``jnp.asarray`` of each new shape is one more
+compile on a GPU).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,7 +21,11 @@ BAD = np.array([-1, -2**31, 2**31 - 1, -123456], np.int64)  # plus s_kv, added p
 
 
 def bf16(rng, shape, scale=0.3):
-  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+  return jax.device_put(_host_bf16(rng.standard_normal(shape) * scale))
+
+
+def _host_bf16(x):
+  return np.asarray(x, np.float32).astype(jnp.bfloat16)
 
 
 def random_indices(rng, shape, num_slots, bad_frac=0.2):
@@ -35,27 +42,28 @@ def random_sink(rng, h):
   s = rng.standard_normal(h).astype(np.float32)
   s[::3] = np.inf
   s[1::3] = -np.inf
-  return jnp.asarray(s)
+  return jax.device_put(s)
 
 
-def quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used):
-  """A cache whose unused slots hold NaN (fp8 0xFF bytes / bf16 NaN), and its bf16 content."""
+def quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used, dense=True):
+  """A cache whose unused slots hold NaN (fp8 0xFF bytes / bf16 NaN), and its bf16 content
+  (None unless ``dense``)."""
   d = 512 if kv_cache_dtype == "fp8_model1" else 576
   x = np.asarray(rng.standard_normal((num_blocks, block_size, d)) * 0.3, np.float32)
   x[~used.reshape(num_blocks, block_size)] = np.nan
-  x = jnp.asarray(x, jnp.bfloat16)
+  x = jax.device_put(_host_bf16(x))
   if kv_cache_dtype == "fp8_ds_mla":
     cache = quantize_fp8_ds_mla(x)
-    return cache, dequantize_fp8_ds_mla(cache)
+    return cache, dequantize_fp8_ds_mla(cache) if dense else None
   if kv_cache_dtype == "fp8_model1":
     cache = quantize_fp8_model1_cache(x)
-    return cache, dequantize_fp8_model1_cache(cache)
+    return cache, dequantize_fp8_model1_cache(cache) if dense else None
   return x, x
 
 
-def key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths):
-  """(cache, its bf16 content, indices[b, s_q, topk], topk_length[b] or None); batch 0
-  gets length 0, and only the slots the usable indices name hold numbers."""
+def key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths, dense=True):
+  """(cache, its bf16 content or None, indices[b, s_q, topk], topk_length[b] or None);
+  batch 0 gets length 0, and only the slots the usable indices name hold numbers."""
   n = num_blocks * block_size
   idx = random_indices(rng, (b, s_q, topk), n)
   topk_length = None
@@ -66,25 +74,26 @@ def key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths):
     used_idx = np.where(np.arange(topk) < topk_length[:, None, None], idx, -1)
   used = np.zeros(n, bool)
   used[used_idx[(used_idx >= 0) & (used_idx < n)]] = True
-  cache, dense = quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used)
-  return (cache, dense, jnp.asarray(idx),
-          None if topk_length is None else jnp.asarray(topk_length))
+  cache, content = quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used, dense)
+  return (cache, content, jax.device_put(idx),
+          None if topk_length is None else jax.device_put(topk_length))
 
 
-def decode_inputs(seed, case):
-  """``(q, cache, indices, kwargs of sparse_mla_decode, [(bf16 cache, indices, lengths)]
-  per key set])`` for ``case = (dtype, b, s_q, h_q, topk, blocks, block_size, sink,
-  lengths, extra (topk, blocks, block_size) or None)``."""
+def decode_inputs(seed, case, dense=False):
+  """``(q, cache, indices, kwargs of sparse_mla_decode, [(bf16 cache or None, indices,
+  lengths) per key set])`` for ``case = (dtype, b, s_q, h_q, topk, blocks, block_size,
+  sink, lengths, extra (topk, blocks, block_size) or None)``; the bf16 caches (one more
+  compile each) only with ``dense``."""
   dt, b, s_q, h_q, topk, nb, bs, sink, lengths, extra = case
   rng = np.random.default_rng(seed)
   d = 512 if dt == "fp8_model1" else 576
   q = bf16(rng, (b, s_q, h_q, d))
-  cache, dense, idx, tl = key_set(rng, dt, b, s_q, topk, nb, bs, lengths)
+  cache, dense_cache, idx, tl = key_set(rng, dt, b, s_q, topk, nb, bs, lengths, dense)
   kw = dict(kv_cache_dtype=dt, attn_sink=random_sink(rng, h_q) if sink else None, topk_length=tl)
-  sets = [(dense, idx, tl)]
+  sets = [(dense_cache, idx, tl)]
   if extra:
     etopk, enb, ebs = extra
-    ecache, edense, eidx, etl = key_set(rng, dt, b, s_q, etopk, enb, ebs, lengths)
+    ecache, edense, eidx, etl = key_set(rng, dt, b, s_q, etopk, enb, ebs, lengths, dense)
     kw.update(extra_kv_cache=ecache, extra_indices=eidx, extra_topk_length=etl)
     sets.append((edense, eidx, etl))
   return q, cache, idx, kw, sets

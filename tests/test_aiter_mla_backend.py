@@ -18,6 +18,7 @@ L, P, R, V = 512, 128, 64, 128  # kv_lora_rank, qk_nope, qk_rope, v_head_dim
 # --- head padding -----------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("heads,padded", [(1, 16), (4, 16), (8, 16), (16, 16), (32, 32),
                                           (128, 128)])
 def test_head_padding_valid(heads, padded):
@@ -30,6 +31,7 @@ def test_head_padding_valid(heads, padded):
   np.testing.assert_array_equal(A.get_mla_unpadded_o(heads, qp), q)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("heads", [3, 5, 20, 24, 0])
 def test_head_padding_invalid(heads):
   assert not A.is_valid_num_heads(heads)
@@ -43,6 +45,7 @@ def test_head_padding_invalid(heads):
 # --- metadata builder -------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_only
 def test_builder_metadata():
   block_size = 4
   qsl = np.array([0, 1, 2, 7, 10])                 # 2 decodes, 2 prefills
@@ -151,6 +154,7 @@ def _run_layer(case, num_heads, implementation, interpret):
   return out, cache, scale
 
 
+@pytest.mark.cpu_only  # the reference layer; on a GPU the Triton layer below
 @pytest.mark.parametrize("num_heads,ctx_lens,q_lens", LAYER_CASES)
 def test_layer_xla_matches_dense(num_heads, ctx_lens, q_lens):
   case = _layer_case(num_heads, 0, ctx_lens=ctx_lens, q_lens=q_lens)
@@ -181,6 +185,7 @@ def test_layer_triton_matches_dense(interpret):
   assert np.all(out[sum(q_lens):] == 0)
 
 
+@pytest.mark.cpu_only
 def test_forward_mqa_pads_heads():
   # 4 heads go to mla_decode as 16 (each repeated 4x); the result is per original head.
   rng = np.random.default_rng(3)
@@ -201,6 +206,7 @@ def test_forward_mqa_pads_heads():
     assert rel_err(out[b], ref) < 1e-2
 
 
+@pytest.mark.cpu_only  # expected values are rounded by the same device: no rounding check
 def test_layer_fp8_cache_xla():
   # fp8 cache (per-tensor scale): context keys are dequantized from the cache, decode
   # queries are quantized with q_scale; compared with the dense reference on
@@ -233,6 +239,7 @@ def test_layer_fp8_cache_xla():
   assert np.all(out[sum(q_lens):] == 0)
 
 
+@pytest.mark.cpu_only  # the example runs the reference
 def test_class_docstring_example_runs():
   test = doctest.DocTestParser().get_doctest(AiterMLA.__doc__, {}, "AiterMLA", None, 0)
   assert doctest.DocTestRunner().run(test).failed == 0

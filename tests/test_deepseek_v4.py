@@ -74,6 +74,7 @@ def _slot(bt, r, i, bs):
   return int(bt[r, i // bs]) * bs + i % bs
 
 
+@pytest.mark.cpu_only
 def test_compute_swa_indices_and_lens():
   rng = np.random.default_rng(0)
   window, bs = 6, 4
@@ -96,6 +97,7 @@ def test_compute_swa_indices_and_lens():
     np.testing.assert_array_equal(ind[t], want + [-1] * (window - len(want)))
 
 
+@pytest.mark.cpu_only
 def test_global_topk_dense_and_ragged():
   rng = np.random.default_rng(1)
   bs, k = 4, 7
@@ -121,6 +123,7 @@ def test_global_topk_dense_and_ragged():
   np.testing.assert_array_equal(ragged, flat + [-1] * (5 * k - len(flat)))
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("ratio,topk", [(1, 0), (4, 3), (128, 2)])
 def test_combine_topk_swa_indices(ratio, topk):
   rng = np.random.default_rng(2)
@@ -157,6 +160,7 @@ def test_combine_topk_swa_indices(ratio, topk):
   np.testing.assert_array_equal(ragged[:len(flat)], flat)
 
 
+@pytest.mark.cpu_only
 def test_build_c128a_topk_metadata():
   rng = np.random.default_rng(3)
   bs, topk = 2, 5
@@ -178,6 +182,7 @@ def test_build_c128a_topk_metadata():
       np.testing.assert_array_equal(local[t - 3], list(range(n)) + [-1] * (topk - n))
 
 
+@pytest.mark.cpu_only  # expected values come from the same device's dequantization
 def test_dequantize_and_gather_k_cache_reads_only_the_gathered_tokens():
   rng = np.random.default_rng(4)
   bs = 4
@@ -201,6 +206,7 @@ def test_dequantize_and_gather_k_cache_reads_only_the_gathered_tokens():
     assert (out[r, :2] == 7).all() and (out[r, 2 + g:] == 7).all()
 
 
+@pytest.mark.cpu_only
 def test_split_decodes_and_prefills():
   assert split_decodes_and_prefills(np.array([0, 1, 2, 7, 9])) == (2, 2, 2, 7)
   assert split_decodes_and_prefills(np.array([0, 1, 3, 7]), decode_threshold=2) == (2, 1, 3, 4)
@@ -218,6 +224,7 @@ def test_split_decodes_and_prefills():
   assert uniform(np.array([0, 1, 1]), decode_threshold=1) == (2, 0, 1, 0)
 
 
+@pytest.mark.cpu_only  # the example runs the reference
 def test_class_docstring_example_runs():
   test = doctest.DocTestParser().get_doctest(DeepseekV4Sparse.__doc__, {}, "DeepseekV4Sparse",
                                              None, 0)
@@ -337,6 +344,7 @@ LAYER_CASES = {
 }
 
 
+@pytest.mark.cpu_only  # on a GPU: test_layer_mosaic_gpu, the same cases on the kernels
 @pytest.mark.parametrize("name", list(LAYER_CASES))
 def test_layer_matches_dense_reference_xla(name):
   over, reqs = LAYER_CASES[name]
@@ -350,6 +358,7 @@ def test_layer_matches_dense_reference_xla(name):
   assert md.prefill_chunk_capacity < md.num_prefill_tokens
 
 
+@pytest.mark.cpu_only
 def test_layer_mtp_decodes_without_sink_xla():
   cfg = v4.DeepseekV4Config(num_heads=2, window_size=8, compress_ratio=4, index_topk=4,
                             block_size=16, max_model_len=64, swa_block_size=8)
@@ -363,6 +372,7 @@ def test_layer_mtp_decodes_without_sink_xla():
   np.testing.assert_array_equal(out[-1], 0)  # the padding token
 
 
+@pytest.mark.cpu_only
 def test_metadata_builds_under_jit():
   """Inside jit (traced query_start_loc) the arrays match and a chunk may hold every token."""
   over, reqs = LAYER_CASES["ratio128_w16"]
@@ -403,6 +413,7 @@ def test_layer_mosaic_gpu(name):
   np.testing.assert_array_equal(out[-1], 0)  # the padding token
 
 
+@pytest.mark.cpu_only
 def test_config_and_input_validation():
   with pytest.raises(ValueError, match="compress_ratio"):
     v4.DeepseekV4Config(num_heads=2, window_size=8, compress_ratio=8)

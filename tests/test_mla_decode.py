@@ -62,6 +62,7 @@ def _gather_keys(cache, pages, seqlen):
   return np.concatenate([cache[p] for p in pages[:n]], 0)[:seqlen] if n else np.zeros((0, D))
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_reference_matches_numpy(causal):
   rng = np.random.default_rng(0)
@@ -120,6 +121,7 @@ def _aiter_case(rng, q_lens, kv_lens, h_q, page_size, *, kv_dtype=jnp.bfloat16):
           jnp.asarray(last))
 
 
+@pytest.mark.cpu_only
 def test_mla_decode_reference_matches_numpy():
   rng = np.random.default_rng(1)
   q_lens, kv_lens = [1, 3, 2], [9, 4, 1]
@@ -216,6 +218,7 @@ def _ragged_case(rng, q_lens, kv_lens, n_heads, page_size, pages_per_seq, num_to
           jnp.asarray(np.asarray(kv_lens, np.int32)), jnp.asarray(page_indices), jnp.asarray(cu))
 
 
+@pytest.mark.cpu_only
 def test_ragged_reference_matches_numpy():
   rng = np.random.default_rng(3)
   q_lens, kv_lens = [1, 3], [6, 5]
@@ -261,6 +264,7 @@ def test_ragged_kernel_matches_reference(interpret, q_lens, kv_lens, n_heads, pa
   assert np.all(np.asarray(out[live:]) == 0)
 
 
+@pytest.mark.cpu_only
 def test_validation_errors():
   q = jnp.zeros((2, 16, D), jnp.bfloat16)
   cache = jnp.zeros((4, 16, D), jnp.bfloat16)
@@ -291,6 +295,7 @@ def test_validation_errors():
     triton.Config(block_m=48)
 
 
+@pytest.mark.cpu_only
 def test_static_sm_scale_must_be_a_python_number():
   q = jnp.zeros((2, 16, D), jnp.bfloat16)
   cache = jnp.zeros((4, 16, D), jnp.bfloat16)
@@ -302,6 +307,7 @@ def test_static_sm_scale_must_be_a_python_number():
     mla_decode_paged(q[None], cache, i32(0)[None], i32(3), sm_scale=np.float32(0.1))
 
 
+@pytest.mark.cpu_only  # the cast is host code
 def test_int64_metadata_is_cast(interpret):
   rng = np.random.default_rng(12)
   q, cache, qo, kvp, kvi, last = _aiter_case(rng, [1, 2], [21, 9], 16, 4)
@@ -320,7 +326,9 @@ def test_int64_metadata_is_cast(interpret):
 
 def test_config_changes_tiling_not_results(interpret):
   rng = np.random.default_rng(13)
-  q, cache, bt, sl = _paged_case(rng, 2, 2, 16, 16, [40, 7])
+  # The shapes of a test_paged_kernel_matches_reference case: the default config's
+  # kernel is compiled once.
+  q, cache, bt, sl = _paged_case(rng, 2, 4, 20, 64, [100, 7])
   want = mla_decode_paged(q, cache, bt, sl, causal=True, implementation="triton",
                           interpret=interpret)
   cfg = triton.Config(block_m=16, block_n=16, num_warps=4, num_stages=2, num_splits=3)
@@ -330,6 +338,7 @@ def test_config_changes_tiling_not_results(interpret):
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_only
 def test_mla_decode_checks_raise_eagerly():
   rng = np.random.default_rng(14)
   q, cache, qo, kvp, kvi, last = _aiter_case(rng, [1, 2], [21, 9], 16, 4)
@@ -350,6 +359,7 @@ def test_mla_decode_checks_raise_eagerly():
       mla_decode(q, cache, a["qo"], a["kvp"], kvi, a["last"], **kw)
 
 
+@pytest.mark.cpu_only
 def test_mla_decode_paged_checks_raise_eagerly():
   rng = np.random.default_rng(15)
   q, cache, bt, sl = _paged_case(rng, 2, 1, 16, 16, [20, 3])
@@ -366,6 +376,7 @@ def test_mla_decode_paged_checks_raise_eagerly():
       mla_decode_paged(q, cache, *args, **kw)
 
 
+@pytest.mark.cpu_only  # host code; on a GPU test_ragged_kernel_matches_reference
 def test_ragged_accepts_tpu_inference_kwargs(interpret):
   rng = np.random.default_rng(16)
   q_lens, kv_lens = [1, 3], [6, 5]
@@ -388,6 +399,7 @@ def test_ragged_accepts_tpu_inference_kwargs(interpret):
       mla_ragged_paged_attention(*args[:4], copy(args[4]), *args[5:], dist, **kw)
 
 
+@pytest.mark.cpu_only
 def test_jit_composes():
   rng = np.random.default_rng(2)
   args = _aiter_case(rng, [1, 1], [5, 9], 8, 4)

@@ -18,14 +18,14 @@ D = 576
 PAGE = 64
 
 
-def _case(rng, s_q, h_q, seqlens, *, bad_id_at=None):
+def _case(rng, s_q, h_q, seqlens, *, bad_id_at=None, max_blocks=None):
   """Shuffled block table; NaN in every slot past each sequence; junk ids past it.
 
   ``bad_id_at=(i, j)`` also puts an invalid id inside request ``i``'s sequence
   (its keys are masked, as the reference does).
   """
   b = len(seqlens)
-  max_blocks = max(1, max(-(-s // PAGE) for s in seqlens))
+  max_blocks = max_blocks or max(1, max(-(-s // PAGE) for s in seqlens))
   num_blocks = b * max_blocks + 3
   bt = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
   cache = (rng.standard_normal((num_blocks, PAGE, D)) / 4).astype(np.float32)
@@ -46,10 +46,11 @@ def _case(rng, s_q, h_q, seqlens, *, bad_id_at=None):
           jnp.asarray(np.asarray(seqlens, np.int32)))
 
 
-def _check(args, *, causal=False, num_kv_splits=None):
+def _check(args, *, causal=False, num_kv_splits=None, sm_scale=None):
   out, lse = mla_decode_paged(*args, causal=causal, num_kv_splits=num_kv_splits,
-                              implementation="mosaic")
-  ref_out, ref_lse = mla_decode_paged(*args, causal=causal, implementation="xla")
+                              sm_scale=sm_scale, implementation="mosaic")
+  ref_out, ref_lse = mla_decode_paged(*args, causal=causal, sm_scale=sm_scale,
+                                      implementation="xla")
   out, lse = np.asarray(out, np.float32), np.asarray(lse)
   ref_out, ref_lse = np.asarray(ref_out, np.float32), np.asarray(ref_lse)
   assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
@@ -62,15 +63,24 @@ def _check(args, *, causal=False, num_kv_splits=None):
   assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
 
 
-EDGE_LENGTHS = [0, 1, 63, 64, 65, 333, 8 * PAGE]
+# The one-query tests share one shape (7 requests, 24 blocks of 64 in the table); lengths,
+# ids and NaN are values, so each (h_q, splits, sm_scale) compiles once (kernel and reference).
+MAX_BLOCKS = 24
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 333, MAX_BLOCKS * PAGE]  # the last one fills its table row
+
+
+def _shared_case(rng, h_q, seqlens, **kw):
+  """``_case`` with s_q 1 in the shared shape; zero-length requests pad ``seqlens``."""
+  seqlens = list(seqlens) + [0] * (len(EDGE_LENGTHS) - len(seqlens))
+  return _case(rng, 1, h_q, seqlens, max_blocks=MAX_BLOCKS, **kw)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h_q", [64, 128])
-@pytest.mark.parametrize("num_kv_splits", [None, 1, 3])
-def test_edge_lengths(h_q, num_kv_splits):
-  args = _case(np.random.default_rng(h_q + (num_kv_splits or 0)), 1, h_q, EDGE_LENGTHS)
-  _check(args, num_kv_splits=num_kv_splits)
+@pytest.mark.parametrize("h_q,num_kv_splits,sm_scale", [
+    (64, 1, None), (64, 3, None), (128, None, 0.07), (128, 1, 0.07)])  # None: 6 splits
+def test_edge_lengths(h_q, num_kv_splits, sm_scale):
+  args = _shared_case(np.random.default_rng(h_q + (num_kv_splits or 0)), h_q, EDGE_LENGTHS)
+  _check(args, num_kv_splits=num_kv_splits, sm_scale=sm_scale)
 
 
 @pytest.mark.gpu
@@ -88,23 +98,40 @@ def test_small_heads_span_tokens():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_kv_splits", [1, 2])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
 def test_invalid_id_inside_sequence(num_kv_splits):
-  args = _case(np.random.default_rng(11), 1, 64, [300, 129], bad_id_at=(0, 2))
+  args = _shared_case(np.random.default_rng(11), 64, [300, 129], bad_id_at=(0, 2))
   _check(args, num_kv_splits=num_kv_splits)
 
 
 @pytest.mark.gpu
 def test_random_lengths_and_scale():
   rng = np.random.default_rng(5)
-  seqlens = rng.integers(0, 1500, size=9).tolist()
-  q, cache, bt, sl = _case(rng, 1, 128, seqlens)
+  seqlens = rng.integers(0, MAX_BLOCKS * PAGE + 1, size=len(EDGE_LENGTHS)).tolist()
+  q, cache, bt, sl = _shared_case(rng, 128, seqlens)
   out, lse = mla_decode_paged(q, cache, bt, sl, sm_scale=0.07, implementation="mosaic")
   ref_out, ref_lse = mla_decode_paged(q, cache, bt, sl, sm_scale=0.07, implementation="xla")
   assert rel_err(out, ref_out) < 1e-2
   assert rel_err(lse, ref_lse) < 1e-5
 
 
+@pytest.mark.parametrize("implementation,num_kv_splits", [
+    ("xla", None), ("triton", 1), ("triton", 3),
+    pytest.param("mosaic", 1, marks=pytest.mark.gpu),
+    pytest.param("mosaic", 3, marks=pytest.mark.gpu)])
+def test_nan_query_row_is_nan(implementation, num_kv_splits, interpret):
+  # A NaN query row is not an empty row: its out and lse are NaN on every backend.
+  q, cache, bt, sl = _shared_case(np.random.default_rng(4), 64, [130, 70, 0])
+  q = q.at[1].set(jnp.nan)
+  out, lse = (np.asarray(x, np.float32) for x in mla_decode_paged(
+      q, cache, bt, sl, num_kv_splits=num_kv_splits, implementation=implementation,
+      interpret=interpret and implementation == "triton"))
+  assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
+  assert not np.isnan(out[[0, 2]]).any() and not np.isnan(lse[[0, 2]]).any()
+  assert np.all(out[2] == 0) and np.isposinf(lse[2]).all()  # no keys: still empty
+
+
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("s_q,h_q,page,causal", [
     (1, 16, 64, False), (1, 128, 32, False), (2, 32, 64, True)])
 def test_rejects_unsupported_shapes(s_q, h_q, page, causal):
@@ -128,7 +155,7 @@ def test_default_picks_mosaic_on_hopper_only_for_supported_shapes():
 
 @pytest.mark.gpu
 def test_config():
-  args = _case(np.random.default_rng(9), 1, 64, [300, 129, 0])
+  args = _shared_case(np.random.default_rng(9), 64, [300, 129, 0])
   cfg = mosaic.Config(num_splits=2, consumer_registers=224, producer_registers=56)
   out, lse = mla_decode_paged(*args, config=cfg, implementation="mosaic")
   ref_out, ref_lse = mla_decode_paged(*args, implementation="xla")
@@ -138,6 +165,7 @@ def test_config():
     mla_decode_paged(*args, config=triton.Config(), implementation="mosaic")
 
 
+@pytest.mark.cpu_only
 def test_config_checks_register_split():
   with pytest.raises(ValueError, match="register split"):
     mosaic.Config(consumer_registers=240, producer_registers=40)  # 520 > 512
@@ -160,6 +188,7 @@ def test_mosaic_is_refused_where_it_cannot_run():
       mla_decode_paged(q, cache, bt, sl, implementation="mosaic")
 
 
+@pytest.mark.cpu_only  # jax.numpy; on a GPU every kernel test runs it
 def test_tail_blocks_zero_past_the_sequence():
   q, cache, bt, sl = _case(np.random.default_rng(1), 1, 64, [70, 128, 0, 1],
                            bad_id_at=(3, 0))

@@ -21,6 +21,10 @@ import sys
 CHILD = os.environ.get("JAX_MLA_SHARDING_CHILD") == "1"
 
 if not CHILD:
+  import pytest
+
+  # The child runs on 4 CPU devices whatever the machine: nothing for the GPU suite.
+  pytestmark = pytest.mark.cpu_only
 
   def test_sharding_suite_on_4_cpu_devices():
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"

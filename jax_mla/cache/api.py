@@ -1,8 +1,8 @@
 """KV-cache writer: ``concat_and_cache_mla`` (vLLM's op) for every cache format.
 
 The XLA path quantizes all tokens with the format's codec and scatters the rows
-with ``mode="drop"``; the Triton path (fp8_ds_mla, fp8_model1) quantizes and
-writes in one kernel, in place through ``input_output_aliases``.
+with ``mode="drop"``; the Triton path (fp8_ds_mla, fp8_model1, fp8_v41, fp4_v41)
+quantizes and writes in one kernel, in place through ``input_output_aliases``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax_mla._common import (
 )
 from jax_mla.cache import triton
 from jax_mla.cache.formats import check_cache, resolve
-from jax_mla.cache.layout import Format, check_float
+from jax_mla.cache.layout import Format, TileScaled, check_float
 
 
 def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, config, interpret):
@@ -30,10 +30,12 @@ def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, config, in
   if config is None:
     return fmt.write(kv_cache, x, slot_mapping, scale)
   # The kernel quantizes the leading columns of its input and stores the RoPE bytes
-  # as given: V3.2 reads kv_c itself (no concatenated copy), V4 its whole latent.
+  # as given: V3.2 reads kv_c itself (no concatenated copy), V4 its whole latent;
+  # V4.1 quantizes its whole latent, RoPE included.
   num_tiles, tile = triton.tiles(fmt)
   quantized = kv_c if kv_c.shape[1] >= num_tiles * tile else x
-  return triton.write_quantized(quantized, x[:, -fmt.rope:], kv_cache, slot_mapping, fmt=fmt,
+  rope = None if isinstance(fmt, TileScaled) else x[:, -fmt.rope:]
+  return triton.write_quantized(quantized, rope, kv_cache, slot_mapping, fmt=fmt,
                                 config=config, interpret=interpret)
 
 
@@ -84,9 +86,11 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
 
   Args:
     kv_c: ``[T, 512]`` compressed latent (``[T, 448]`` NoPE part for
-      ``"fp8_model1"``, or the whole ``[T, 512]`` V4 latent with a ``[T, 0]``
-      ``k_pe``), bf16/f16/f32. NaN values are stored as NaN and do not change the
-      scale of their tile (the CUDA writers' rule).
+      ``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``, or their whole ``[T, 512]``
+      latent with a ``[T, 0]`` ``k_pe``), bf16/f16/f32. NaN values are stored as NaN
+      and do not change the scale of their tile (the CUDA writers' rule), except in
+      the V4.1 formats, where a NaN or an infinity poisons its tile (FlashMLA's
+      quantizer; see :mod:`jax_mla.cache.v41_fp8`).
     k_pe: ``[T, 64]`` RoPE part (already rotated).
     kv_cache: ``[num_blocks, block_size, *]`` cache in format ``kv_cache_dtype``
       (see :mod:`jax_mla.cache.formats`). Use the returned array afterwards. Under
@@ -95,12 +99,13 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
       ``donate=True``.
     slot_mapping: integer ``[S]`` (cast to int32), ``S <= T``; tokens past ``S`` are
       not written (vLLM's padded-batch convention).
-    kv_cache_dtype: ``"auto"``, ``"fp8"``, ``"fp8_ds_mla"`` or ``"fp8_model1"``.
+    kv_cache_dtype: ``"auto"``, ``"fp8"``, ``"fp8_ds_mla"``, ``"fp8_model1"``,
+      ``"fp8_v41"`` or ``"fp4_v41"``.
     scale: per-tensor float32 scale of ``"fp8"`` (default 1.0). Other formats
       carry their own scales and ignore it (vLLM passes one regardless).
     implementation: ``None``, ``"triton"`` (old name ``"pallas"``) or ``"xla"``. The
-      Triton kernel covers ``"fp8_ds_mla"`` and ``"fp8_model1"``; ``"auto"``/``"fp8"``
-      writes are a plain XLA scatter on every path.
+      Triton kernel covers ``"fp8_ds_mla"``, ``"fp8_model1"``, ``"fp8_v41"`` and
+      ``"fp4_v41"``; ``"auto"``/``"fp8"`` writes are a plain XLA scatter on every path.
     interpret: run the Triton kernel in the interpreter (CPU tests).
     config: a :class:`jax_mla.cache.triton.Config` for the Triton kernel (``None``:
       the default); ignored where no kernel runs.

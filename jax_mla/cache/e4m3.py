@@ -113,7 +113,7 @@ def _fp8_code(bits: jax.Array) -> jax.Array:
   return jnp.where(u > _F32_INF, _FP8_NAN_CODE, code)
 
 
-def _fp8_value(code: jax.Array) -> jax.Array:
+def fp8_value(code: jax.Array) -> jax.Array:
   """float32 value of the e4m3fn magnitude code ``code`` (int32, 0..0x7E), exact."""
   exponent = jax.lax.shift_right_logical(code, 3)
   significand = (code & 7) | jnp.where(exponent > 0, 8, 0)
@@ -149,7 +149,7 @@ def _settle_quotient_code(ax: jax.Array, s: jax.Array, code: jax.Array) -> jax.A
   The signs of ``ax - (m + h) * s`` decide, computed exactly: ``s`` is split into
   two 12-bit halves so every product is exact, and ``h`` is a power of two.
   """
-  c = _fp8_value(code)
+  c = fp8_value(code)
   s_hi = jax.lax.bitcast_convert_type(
       jax.lax.bitcast_convert_type(s, jnp.int32) & ~0xFFF, jnp.float32)
   s_lo = s - s_hi
@@ -162,8 +162,8 @@ def _settle_quotient_code(ax: jax.Array, s: jax.Array, code: jax.Array) -> jax.A
     return jnp.where(cmp(m, 0.5 * up) > 0, 1, jnp.where(cmp(m, -0.5 * down) < 0, -1, 0))
 
   odd = (code & 1) == 1  # its neighbours are even: a tie moves there
-  above = side(0.5 * (c + _fp8_value(code + 1)))
-  below = side(0.5 * (c + _fp8_value(jnp.maximum(code - 1, 0))))
+  above = side(0.5 * (c + fp8_value(code + 1)))
+  below = side(0.5 * (c + fp8_value(jnp.maximum(code - 1, 0))))
   go_up = (code < _FP8_MAX_CODE) & ((above > 0) | ((above == 0) & odd))
   go_down = (code > 0) & ((below < 0) | ((below == 0) & odd))
   return code + go_up.astype(jnp.int32) - go_down.astype(jnp.int32)

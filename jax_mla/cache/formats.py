@@ -1,9 +1,11 @@
 """The registry of MLA KV-cache formats: ``kv_cache_dtype`` -> its :class:`Format`.
 
 ``"auto"`` (:mod:`~jax_mla.cache.auto`), ``"fp8"`` (:mod:`~jax_mla.cache.fp8`),
-``"fp8_ds_mla"`` (DeepSeek V3.2, :mod:`~jax_mla.cache.ds_mla`) and ``"fp8_model1"``
-(DeepSeek V4, :mod:`~jax_mla.cache.model1`); each module holds its byte layout
-and XLA codec, and the fp8 arithmetic they share is :mod:`~jax_mla.cache.e4m3`.
+``"fp8_ds_mla"`` (DeepSeek V3.2, :mod:`~jax_mla.cache.ds_mla`), ``"fp8_model1"``
+(DeepSeek V4, :mod:`~jax_mla.cache.model1`), ``"fp8_v41"`` and ``"fp4_v41"``
+(DeepSeek V4.1, :mod:`~jax_mla.cache.v41_fp8`, :mod:`~jax_mla.cache.v41_fp4`); each
+module holds its byte layout and XLA codec, and the fp8 / fp4 arithmetic they share
+is :mod:`~jax_mla.cache.e4m3` / :mod:`~jax_mla.cache.e2m1`.
 Public ops resolve the string once (:func:`resolve`) and hand the format object
 down; a new format is one new module added to :data:`FORMATS`.
 """
@@ -21,8 +23,11 @@ from jax_mla.cache.ds_mla import DS_MLA
 from jax_mla.cache.fp8 import FP8_PER_TENSOR
 from jax_mla.cache.layout import Format
 from jax_mla.cache.model1 import MODEL1
+from jax_mla.cache.v41_fp4 import V41_FP4
+from jax_mla.cache.v41_fp8 import V41_FP8
 
-FORMATS: dict[str, Format] = {f.name: f for f in (AUTO, FP8_PER_TENSOR, DS_MLA, MODEL1)}
+FORMATS: dict[str, Format] = {
+    f.name: f for f in (AUTO, FP8_PER_TENSOR, DS_MLA, MODEL1, V41_FP8, V41_FP4)}
 KV_CACHE_DTYPES = tuple(FORMATS)
 
 
@@ -46,8 +51,9 @@ def kv_cache_shape(num_blocks: int, block_size: int, head_size: int = D_QK,
     num_blocks: number of cache blocks.
     block_size: tokens per block.
     head_size: latent width: 576 for DeepSeek V3/V3.2 (``"fp8_ds_mla"`` needs 576),
-      512 for DeepSeek V4 (``"fp8_model1"`` needs 512); any width for ``"auto"``/``"fp8"``.
-    cache_dtype: one of ``"auto"``, ``"fp8"``, ``"fp8_ds_mla"``, ``"fp8_model1"``.
+      512 for DeepSeek V4 / V4.1 (``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``
+      need 512); any width for ``"auto"``/``"fp8"``.
+    cache_dtype: one of :data:`KV_CACHE_DTYPES`.
 
   Returns:
     ``(num_blocks, block_size, last_dim)``; allocate it with
@@ -74,13 +80,13 @@ def gather_dequantize(kv_cache: jax.Array, slots: jax.Array, *, kv_cache_dtype: 
     slots: integer array (cast to int32), any shape; ``slot = block * block_size +
       offset``. Slots outside ``[0, num_blocks * block_size)`` are clamped into range
       (so the result there is some other slot's data, possibly NaN): callers mask them.
-    kv_cache_dtype: ``"auto"``, ``"fp8"``, ``"fp8_ds_mla"`` or ``"fp8_model1"``.
+    kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`.
     scale: per-tensor float32 scale of ``"fp8"`` (default 1.0); unused otherwise.
 
   Returns:
-    ``[*slots.shape, d]`` with ``d = 576`` (``"fp8_ds_mla"``), 512 (``"fp8_model1"``)
-    or ``head_size`` (``"auto"``/``"fp8"``); bf16, except ``"auto"`` which keeps the
-    cache dtype.
+    ``[*slots.shape, d]`` with ``d = 576`` (``"fp8_ds_mla"``), 512 (``"fp8_model1"``,
+    ``"fp8_v41"``, ``"fp4_v41"``) or ``head_size`` (``"auto"``/``"fp8"``); bf16, except
+    ``"auto"`` which keeps the cache dtype.
   """
   fmt = resolve(kv_cache_dtype)
   check_cache(kv_cache, fmt)

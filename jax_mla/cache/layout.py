@@ -3,15 +3,16 @@ the format modules share.
 
 A cache holds one latent vector per token slot; slot ``s`` lives in block
 ``s // block_size`` at offset ``s % block_size`` (``block_size = cache.shape[1]``
-for every format). Each format module (``auto``, ``fp8``, ``ds_mla``, ``model1``)
-defines one frozen :class:`Format` object holding its layout (offsets, tiles,
-scale encoding, block padding) and its XLA codec; the Triton writer
+for every format). Each format module (``auto``, ``fp8``, ``ds_mla``, ``model1``,
+``v41_fp8``, ``v41_fp4``) defines one frozen :class:`Format` object holding its layout
+(offsets, tiles, scale encoding, block padding) and its XLA codec; the Triton writer
 (:mod:`jax_mla.cache.triton`), the sparse MLA kernels and the torch bridge read
 the same object. :func:`jax_mla.cache.formats.resolve` turns a ``kv_cache_dtype``
 string into it, once, at the public boundary.
 
 The base class describes a format that stores one row of ``head_size`` values per
-token (``"auto"``, ``"fp8"``); the packed fp8 formats override what differs.
+token (``"auto"``, ``"fp8"``); the packed fp8 formats override what differs, and
+:class:`TileScaled` is the row ``[quantized latent | scale bytes]`` of DeepSeek V4.1.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_mla._common import check_dtype, check_shape
+from jax_mla._common import D_QK_V4, D_ROPE, check_dtype, check_shape
 
 
 def check_float(name: str, x) -> None:
@@ -134,3 +135,92 @@ class Format:
   def encode_rows(self, x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """Latents ``[..., head_size]`` -> token rows of array dtype ``dtype``."""
     raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class TileScaled(Format):
+  """A token row ``[quantized latent | one scale byte per tile]`` with the whole latent
+  quantized, RoPE included (DeepSeek V4.1: ``"fp8_v41"``, ``"fp4_v41"``). Rows are
+  contiguous, one per slot, no block padding. Subclasses give the codec of a tile.
+
+  Attributes:
+    head_size: latent width (448 NoPE + 64 RoPE).
+    rope: RoPE columns at the end of the latent (only for the writer's ``kv_c`` /
+      ``k_pe`` split: they are quantized like the rest).
+    tile: values per scale byte.
+    bits: bits per quantized value; with 4, byte ``i`` holds value ``2i`` in its low
+      nibble and ``2i + 1`` in its high one.
+  """
+  head_size: int = D_QK_V4
+  rope: int = D_ROPE
+  tile: int = 32
+  bits: int = 8
+
+  @property
+  def num_tiles(self) -> int:
+    return self.head_size // self.tile
+
+  @property
+  def data_bytes(self) -> int:  # the quantized values; the scales follow
+    return self.head_size * self.bits // 8
+
+  @property
+  def token_bytes(self) -> int:
+    return self.data_bytes + self.num_tiles
+
+  def row_width(self, block_size: int, head_size: int) -> int:
+    del block_size, head_size
+    return self.token_bytes
+
+  def input_widths(self):
+    # One latent, passed split (448 | 64) or whole with an empty k_pe (as fp8_model1).
+    return ((self.head_size - self.rope, self.rope), (self.head_size, 0))
+
+  def quantize_tiles(self, tiles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 ``[..., tile]`` -> (int32 value codes ``[..., tile]``, int32 scale bytes
+    ``[...]``), shared by the XLA codec and the Triton writer."""
+    raise NotImplementedError
+
+  def decode_values(self, codes: jax.Array) -> jax.Array:
+    """int32 value codes -> their float32 values (unscaled), exact."""
+    raise NotImplementedError
+
+  def decode_scales(self, codes: jax.Array) -> jax.Array:
+    """int32 scale bytes -> float32 scales, exact."""
+    raise NotImplementedError
+
+  def pack(self, codes: jax.Array) -> jax.Array:
+    """int32 value codes ``[..., n]`` -> their bytes uint8 ``[..., n * bits / 8]``."""
+    if self.bits == 8:
+      return codes.astype(jnp.uint8)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    shift = 4 * jax.lax.broadcasted_iota(jnp.int32, pairs.shape, pairs.ndim - 1)
+    return jnp.sum(jax.lax.shift_left(pairs, shift), axis=-1).astype(jnp.uint8)
+
+  def unpack(self, data: jax.Array) -> jax.Array:
+    """Inverse of :meth:`pack`: uint8 ``[..., k]`` -> int32 value codes."""
+    b = data.astype(jnp.int32)
+    if self.bits == 8:
+      return b
+    pairs = jnp.stack([b & 0xF, jax.lax.shift_right_logical(b, 4)], axis=-1)
+    return pairs.reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+  def encode(self, x: jax.Array) -> jax.Array:
+    """Latents ``[..., head_size]`` (float) -> token rows uint8 ``[..., token_bytes]``."""
+    tiles = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_tiles, self.tile)
+    codes, scales = self.quantize_tiles(tiles)
+    data = self.pack(codes.reshape(*x.shape[:-1], self.head_size))
+    return jnp.concatenate([data, scales.astype(jnp.uint8)], axis=-1)
+
+  def decode_rows(self, rows, scale=None):
+    """Token rows ``[..., token_bytes]`` -> bf16 latents: value times its tile's scale
+    in float32, rounded once to bf16 (exact: both factors have short significands)."""
+    del scale
+    vals = self.decode_values(self.unpack(rows[..., :self.data_bytes]))
+    scales = self.decode_scales(rows[..., self.data_bytes:].astype(jnp.int32))
+    vals = vals.reshape(*rows.shape[:-1], self.num_tiles, self.tile) * scales[..., None]
+    return vals.reshape(*rows.shape[:-1], self.head_size).astype(jnp.bfloat16)
+
+  def encode_rows(self, x, scale, dtype):
+    del scale, dtype
+    return self.encode(x)

@@ -1,15 +1,17 @@
-"""Pallas Triton cache writer for the fp8_ds_mla and fp8_model1 formats.
+"""Pallas Triton cache writer for the fp8_ds_mla, fp8_model1, fp8_v41 and fp4_v41 formats.
 
 One program per token: load the leading latent values, compute the tile scales,
-convert to fp8 and store the token's bytes straight into its cache slot, at the
-offsets of the format's layout object (:data:`~jax_mla.cache.ds_mla.DS_MLA`,
-:data:`~jax_mla.cache.model1.MODEL1`). The cache is aliased input -> output, so
-under jit with donation the write is in place and only the written slots' bytes move.
+convert to fp8 (fp4) and store the token's bytes straight into its cache slot, at
+the offsets of the format's layout object (:data:`~jax_mla.cache.ds_mla.DS_MLA`,
+:data:`~jax_mla.cache.model1.MODEL1`, :class:`~jax_mla.cache.layout.TileScaled`).
+The cache is aliased input -> output, so under jit with donation the write is in
+place and only the written slots' bytes move.
 
 Every in-kernel array has a power-of-two size: the quantized values are viewed as
-tiles ``[4, 128]`` (V3.2) or ``[8, 64]`` (V4: 7 NoPE tiles plus the RoPE tile,
-whose fp8 bytes are masked off and whose scale byte becomes the zero pad); the
-pieces stored are 512 (V4: masked to 448), 16 or 8, and 128 bytes. The RoPE
+tiles ``[4, 128]`` (V3.2), ``[8, 64]`` (V4: 7 NoPE tiles plus the RoPE tile,
+whose fp8 bytes are masked off and whose scale byte becomes the zero pad), or
+``[16, 32]`` / ``[32, 16]`` (V4.1 fp8 / fp4: the whole latent); the pieces stored
+are 512 (V4: masked to 448), 256, 32, 16 or 8, and 128 bytes. The V3.2 / V4 RoPE
 bytes are a bitcast of the input made outside the kernel (T * 128 bytes).
 
 The quantization math is the XLA codec's own (``quantize_tiles`` of the format),
@@ -30,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_mla._common import next_pow2
 from jax_mla.cache.ds_mla import DsMla
-from jax_mla.cache.layout import Format, to_bytes
+from jax_mla.cache.layout import Format, TileScaled, to_bytes
 from jax_mla.cache.model1 import Model1
 
 
@@ -47,7 +49,7 @@ def default_config() -> Config:
 
 def supports(fmt: Format) -> bool:
   """Whether the kernel writes ``fmt`` (the others are a plain XLA scatter anyway)."""
-  return isinstance(fmt, (DsMla, Model1))
+  return isinstance(fmt, (DsMla, Model1, TileScaled))
 
 
 def tiles(fmt: Format) -> tuple[int, int]:
@@ -100,30 +102,52 @@ def _kernel(slot_ref, x_ref, rope_ref, cache_in_ref, cache_ref, *, fmt, block_si
       cache_ref[block, pl.ds(scale_at, fmt.scale_bytes)] = codes.astype(jnp.uint8)
 
 
-def write_quantized(x: jax.Array, rope: jax.Array, kv_cache: jax.Array,
+def _tile_scaled_kernel(slot_ref, x_ref, cache_in_ref, cache_ref, *, fmt: TileScaled,
+                        block_size, capacity):
+  """V4.1: the whole latent quantized, ``[values | scale bytes]`` at the slot's row."""
+  del cache_in_ref  # The same buffer as cache_ref (input_output_aliases).
+  t = pl.program_id(0)
+  slot = slot_ref[t]
+
+  @pl.when((slot >= 0) & (slot < capacity))
+  def _write():
+    base = (slot % block_size) * fmt.token_bytes
+    x = x_ref[t, pl.ds(0, fmt.head_size)].astype(jnp.float32).reshape(fmt.num_tiles, fmt.tile)
+    codes, scales = fmt.quantize_tiles(x)
+    block = slot // block_size
+    cache_ref[block, pl.ds(base, fmt.data_bytes)] = fmt.pack(codes.reshape(fmt.head_size))
+    cache_ref[block, pl.ds(base + fmt.data_bytes, fmt.num_tiles)] = scales.astype(jnp.uint8)
+
+
+def write_quantized(x: jax.Array, rope: jax.Array | None, kv_cache: jax.Array,
                     slot_mapping: jax.Array, *, fmt: Format, config: Config,
                     interpret: bool = False) -> jax.Array:
   """Writes token ``t`` (``t < S``) into slot ``slot_mapping[t]``; invalid slots are skipped.
 
   Args:
     x: ``[S, >= tiles * tile]`` float (see :func:`tiles`); its leading columns are
-      quantized: the V3.2 NoPE (fp8_ds_mla) or the whole V4 latent, whose RoPE tile
-      is not stored as fp8.
-    rope: ``[S, 64]`` RoPE values, stored as bf16.
+      quantized: the V3.2 NoPE (fp8_ds_mla), the whole V4 latent, whose RoPE tile
+      is not stored as fp8, or the whole V4.1 latent.
+    rope: ``[S, 64]`` RoPE values, stored as bf16; ``None`` for the V4.1 formats.
     kv_cache, slot_mapping: as ``concat_and_cache_mla``, which validates them.
     fmt: the cache format (:func:`supports` it).
   """
   num_tokens = slot_mapping.shape[0]
   nb, bs, width = kv_cache.shape
-  rope = to_bytes(rope.astype(jnp.bfloat16))
-  kernel = functools.partial(_kernel, fmt=fmt, block_size=bs, capacity=nb * bs)
+  if rope is None:
+    kernel = functools.partial(_tile_scaled_kernel, fmt=fmt, block_size=bs, capacity=nb * bs)
+    operands = (slot_mapping, x)
+  else:
+    rope = to_bytes(rope.astype(jnp.bfloat16))
+    kernel = functools.partial(_kernel, fmt=fmt, block_size=bs, capacity=nb * bs)
+    operands = (slot_mapping, x, rope)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((nb, bs * width), jnp.uint8),
       grid=(num_tokens,),
-      input_output_aliases={3: 0},
+      input_output_aliases={len(operands): 0},
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,
-  )(slot_mapping, x, rope, kv_cache.reshape(nb, bs * width))
+  )(*operands, kv_cache.reshape(nb, bs * width))
   return out.reshape(nb, bs, width)

@@ -23,8 +23,9 @@ from jax_mla._common import (
   D_ROPE,
   Implementation,
   as_int32,
-  check_config,
+  backend_config,
   check_dtype,
+  check_num_splits,
   check_rank,
   check_shape,
   check_static,
@@ -74,16 +75,10 @@ def _int_metadata(rank, **arrays):
   return out
 
 
-def _triton_config(impl, config, num_kv_splits, **shape):
-  """The private function's ``config``: ``None`` runs the reference (which has no tuning:
-  any of this op's configs is accepted there, unused), a complete :class:`triton.Config`
-  the Triton kernel."""
-  if impl == "xla":
-    if config is not None and not isinstance(config, (triton.Config, mosaic.Config)):
-      check_config(config, triton.Config, impl)
-    return None
-  return triton.with_defaults(check_config(config, triton.Config, impl),
-                              num_kv_splits=num_kv_splits, **shape)
+def _triton(num_kv_splits, **shape):
+  """``backend_config``'s entry for the Triton kernel: its config completed for the call."""
+  return triton.Config, functools.partial(triton.with_defaults, num_kv_splits=num_kv_splits,
+                                          **shape)
 
 
 def _run_triton(q2d, kv_cache, meta, page_ids, scales, *, h_q, rows_per_group, causal,
@@ -150,7 +145,7 @@ def mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
   check_shape("kv_indptr", kv_indptr, [num_req + 1])
   check_shape("kv_last_page_lens", kv_last_page_lens, [num_req])
   _check_positive_int("max_seqlen_q", max_seqlen_q, optional=False)
-  _check_positive_int("num_kv_splits", num_kv_splits)
+  check_num_splits("num_kv_splits", num_kv_splits)
   _check_sm_scale(sm_scale)
   num_tokens, h_q, _ = q.shape
   page_size = kv_cache.shape[1]
@@ -169,9 +164,10 @@ def mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
         ((num_pages <= 0) | lens_ok | (page_size == 1),
          f"kv_last_page_lens must lie in [1, page_size={page_size}]"))
   sm_scale = D_QK**-0.5 if sm_scale is None else float(sm_scale)
-  config = _triton_config(resolve_implementation(implementation, interpret), config,
-                          num_kv_splits, rows_per_group=max_seqlen_q * h_q, num_groups=num_req,
-                          avg_kv_len=kv_indices.shape[0] * page_size / num_req)
+  config = backend_config(
+      resolve_implementation(implementation, interpret), config,
+      triton=_triton(num_kv_splits, rows_per_group=max_seqlen_q * h_q, num_groups=num_req,
+                     avg_kv_len=kv_indices.shape[0] * page_size / num_req))
   return _mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, q_scale,
                      kv_scale, max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=bool(causal),
                      config=config, interpret=interpret)
@@ -244,7 +240,7 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
   check_shape("block_table", block_table, [b, None])
   (cache_seqlens,) = _int_metadata(1, cache_seqlens=cache_seqlens)
   check_shape("cache_seqlens", cache_seqlens, [b])
-  _check_positive_int("num_kv_splits", num_kv_splits)
+  check_num_splits("num_kv_splits", num_kv_splits)
   _check_sm_scale(sm_scale)
   num_blocks, block_size, _ = kv_cache.shape
   if checks:
@@ -258,13 +254,13 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
       mosaic.check_supported, q, kv_cache, causal=causal):
     impl = "mosaic"
   max_blocks = block_table.shape[1]
-  if impl == "mosaic":
-    config = mosaic.with_defaults(check_config(config, mosaic.Config, impl),
-                                  num_kv_splits=num_kv_splits, batch=b, s_q=s_q, h_q=h_q,
-                                  max_blocks=max_blocks)
-  else:
-    config = _triton_config(impl, config, num_kv_splits, rows_per_group=s_q * h_q,
-                            num_groups=b, avg_kv_len=max_blocks * block_size)
+  config = backend_config(
+      impl, config,
+      triton=_triton(num_kv_splits, rows_per_group=s_q * h_q, num_groups=b,
+                     avg_kv_len=max_blocks * block_size),
+      mosaic=(mosaic.Config, functools.partial(mosaic.with_defaults, num_kv_splits=num_kv_splits,
+                                               batch=b, s_q=s_q, h_q=h_q,
+                                               max_blocks=max_blocks)))
   out, lse = _mla_decode_paged(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale,
                                causal=bool(causal), config=config, interpret=interpret)
   return out, lse.transpose(0, 2, 1)  # FlashMLA's [b, h_q, s_q]
@@ -381,17 +377,18 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
   for name, value in (("chunk_prefill_size", chunk_prefill_size),
                       ("num_kv_pages_per_block", num_kv_pages_per_block),
                       ("vmem_limit_bytes", vmem_limit_bytes),
-                      ("num_queries_per_block", num_queries_per_block),
-                      ("num_kv_splits", num_kv_splits)):
+                      ("num_queries_per_block", num_queries_per_block)):
     _check_positive_int(name, value)
+  check_num_splits("num_kv_splits", num_kv_splits)
   sm_scale = float(sm_scale)
   page_size = cache_kv.shape[1]
   pages_per_seq = page_indices.shape[0] // num_seqs_max
   tokens_per_group = num_queries_per_block or max(1, 16 // n_heads)
-  config = _triton_config(resolve_implementation(implementation, interpret), config,
-                          num_kv_splits, rows_per_group=tokens_per_group * n_heads,
-                          num_groups=num_seqs_max + -(-num_tokens // tokens_per_group),
-                          avg_kv_len=pages_per_seq * page_size)
+  config = backend_config(
+      resolve_implementation(implementation, interpret), config,
+      triton=_triton(num_kv_splits, rows_per_group=tokens_per_group * n_heads,
+                     num_groups=num_seqs_max + -(-num_tokens // tokens_per_group),
+                     avg_kv_len=pages_per_seq * page_size))
   return _mla_ragged_paged_attention(
       ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices, cu_q_lens,
       distribution, q_scale, k_scale, v_scale, sm_scale=sm_scale,

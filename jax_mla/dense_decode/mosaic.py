@@ -43,7 +43,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import D_NOPE, D_QK, D_ROPE, LN2, LOG2E, cdiv, num_sms
+from jax_mla._common import (
+  D_NOPE,
+  D_QK,
+  D_ROPE,
+  LN2,
+  LOG2E,
+  cdiv,
+  check_num_splits,
+  num_sms,
+  with_num_splits,
+)
 from jax_mla.merge import combine_splits
 
 BLOCK_M = 64  # query rows per CTA: one wgmma M
@@ -68,9 +78,7 @@ class Config:
   producer_registers: int = 40
 
   def __post_init__(self):
-    if self.num_splits is not None and (not isinstance(self.num_splits, int)
-                                        or self.num_splits < 1):
-      raise ValueError(f"Config.num_splits must be None or an int >= 1; got {self.num_splits!r}")
+    check_num_splits("Config.num_splits", self.num_splits)
     c, p = self.consumer_registers, self.producer_registers
     if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p > 512:
       raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
@@ -100,46 +108,27 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(registers[0], action="increase")
-    row = _mosaic.row_layout(plgpu)
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, PAGE), 1, layout=plgpu.Layout.WGMMA)
-    acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF), jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row)
-    l = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row)
-    plgpu.barrier_wait(q_bar)
 
-    def step(i, carry):
-      acc, m, l = carry
-      slot = lax.rem(i, NUM_STAGES)
+    def mask(i, slot):
+      del slot
       blk = blk0 + i
       pg = bt_ref[bi, blk]
       kmax = jnp.where((pg >= 0) & (pg < num_blocks), lim - blk * PAGE, 0)
-      plgpu.barrier_wait(kv_bar.at[slot])
+      return lambda s: jnp.where(col < kmax, s, -jnp.inf)
 
-      def qk(s_ref):
-        for h in range(2):
-          plgpu.wgmma(s_ref, q_nope.at[h], kv_nope.at[slot, h].transpose((1, 0)))
-        plgpu.wgmma(s_ref, q_rope, kv_rope.at[slot].transpose((1, 0)))
-        return s_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, PAGE), jnp.float32))
-      s = jnp.where(col < kmax, s, -jnp.inf)
-      acc, m, l = _mosaic.online_softmax_step(plgpu, s, m, l, acc, kv_nope.at[slot, wg], scale)
-      plgpu.barrier_arrive(free_bar.at[slot])
-      return acc, m, l
-
-    acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+    acc, m, l = _mosaic.consume_stages(
+        plgpu, wg=wg, q_main=q_nope, q_rope=q_rope, k_main=kv_nope, k_rope=kv_rope, steps=steps,
+        barriers=(q_bar, kv_bar, free_bar, done_bar), mask=mask, scale=scale)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
-    plgpu.barrier_arrive(done_bar)
-    plgpu.barrier_wait(done_bar)
-    live = l > 0
-    l_safe = jnp.where(live, l, 1.0)
-    inv = jnp.where(live, 1.0 / l_safe, 0.0)
+    empty, l_safe = _mosaic.empty_rows(l)
+    inv = jnp.where(empty, 0.0, 1.0 / l_safe)
     q_nope.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_nope.dtype)
 
     @pl.when(wg == 0)
     def _():
-      lse_smem[...] = jnp.where(live, m * LN2 + jnp.log(l_safe), -jnp.inf)
+      lse_smem[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_nope.at[wg],
@@ -228,12 +217,7 @@ def with_defaults(config: Config | None, *, num_kv_splits: int | None, batch: in
                   h_q: int, max_blocks: int) -> Config:
   """``config`` (``None``: the defaults) with ``num_splits`` set: the op's
   ``num_kv_splits`` when given, else the config's, else :func:`default_num_splits`."""
-  config = config or Config()
-  if num_kv_splits is not None:
-    return dataclasses.replace(config, num_splits=num_kv_splits)
-  if config.num_splits is not None:
-    return config
-  return dataclasses.replace(config, num_splits=default_num_splits(
+  return with_num_splits(config or Config(), num_kv_splits, lambda: default_num_splits(
       batch * s_q * h_q // BLOCK_M, max_blocks))
 
 

@@ -33,7 +33,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_mla import _softmax
-from jax_mla._common import D_NOPE, D_ROPE, LOG2E, cdiv, next_pow2, num_sms
+from jax_mla._common import (
+  D_NOPE,
+  D_ROPE,
+  LOG2E,
+  cdiv,
+  check_num_splits,
+  check_power_of_two,
+  next_pow2,
+  num_sms,
+  with_num_splits,
+)
 from jax_mla.merge import combine_splits
 
 
@@ -138,13 +148,9 @@ class Config:
   num_splits: int | None = None
 
   def __post_init__(self):
-    for name in ("block_m", "block_n"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 16 or v & (v - 1):
-        raise ValueError(f"Config.{name} must be a power of two >= 16; got {v!r}")
-    if self.num_splits is not None and (not isinstance(self.num_splits, int)
-                                        or self.num_splits < 1):
-      raise ValueError(f"Config.num_splits must be None or an int >= 1; got {self.num_splits!r}")
+    check_power_of_two("Config.block_m", self.block_m, 16)
+    check_power_of_two("Config.block_n", self.block_n, 16)
+    check_num_splits("Config.num_splits", self.num_splits)
 
 
 def default_config(rows_per_group: int) -> Config:
@@ -181,12 +187,8 @@ def with_defaults(config: Config | None, *, num_kv_splits: int | None, rows_per_
   """``config`` (``None``: :func:`default_config`) with ``num_splits`` set: the op's
   ``num_kv_splits`` when given, else the config's, else :func:`default_num_splits`."""
   config = config or default_config(rows_per_group)
-  if num_kv_splits is not None:
-    return dataclasses.replace(config, num_splits=num_kv_splits)
-  if config.num_splits is not None:
-    return config
   programs = num_groups * cdiv(rows_per_group, config.block_m)
-  return dataclasses.replace(config, num_splits=default_num_splits(
+  return with_num_splits(config, num_kv_splits, lambda: default_num_splits(
       programs, avg_kv_len, block_m=config.block_m, block_n=config.block_n))
 
 

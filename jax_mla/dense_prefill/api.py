@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax_mla._common import (
   Implementation,
   as_int32,
-  check_config,
+  backend_config,
   check_dtype,
   check_rank,
   check_shape,
@@ -119,11 +119,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k
     d_v = v.shape[2]
     if d_v < 16 or d_v & (d_v - 1):
       raise ValueError(f"the Triton kernel needs a power-of-two v head size >= 16; got {d_v}")
-    config = check_config(config, triton.Config, impl) or triton.Config()
-  else:
-    if config is not None:
-      check_config(config, triton.Config, impl)  # no tuning in the reference: unused
-    config = None
+  config = backend_config(impl, config, triton=(triton.Config, lambda c: c or triton.Config()))
   scale = 1.0 / math.sqrt(d_qk) if sm_scale is None else float(sm_scale)
   return (q, k, v, cu_seqlens_q, cu_seqlens_k), dict(
       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sm_scale=scale, causal=bool(causal),

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_mla import _softmax
-from jax_mla._common import LOG2E, cdiv, next_pow2
+from jax_mla._common import LOG2E, cdiv, check_power_of_two, next_pow2
 
 _MIN_TILE = 16  # smallest Triton dot tile
 
@@ -159,10 +159,8 @@ class Config:
   num_stages: int = 3
 
   def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < _MIN_TILE or v & (v - 1):
-        raise ValueError(f"Config.{name} must be a power of two >= {_MIN_TILE}; got {v!r}")
+    check_power_of_two("Config.block_q", self.block_q, _MIN_TILE)
+    check_power_of_two("Config.block_k", self.block_k, _MIN_TILE)
 
 
 def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,

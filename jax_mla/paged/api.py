@@ -12,14 +12,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla._common import (
-    Implementation,
-    as_int32,
-    check_config,
-    check_dtype,
-    check_rank,
-    check_shape,
-    check_values,
-    resolve_implementation,
+  Implementation,
+  as_int32,
+  backend_config,
+  check_dtype,
+  check_num_splits,
+  check_rank,
+  check_shape,
+  check_values,
+  resolve_implementation,
 )
 from jax_mla.indexing.metadata import block_table_checks
 from jax_mla.paged import triton
@@ -186,21 +187,15 @@ def paged_attention(
   if physical_block_size is not None and physical_block_size != block_size:
     raise ValueError(f"physical_block_size must equal the cache block size {block_size}; "
                      f"got {physical_block_size}")
-  if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
-    raise ValueError(f"num_kv_splits must be an int >= 1; got {num_kv_splits!r}")
+  check_num_splits("num_kv_splits", num_kv_splits)
   if checks:
     check_values(True, *block_table_checks(block_tables, seq_lens, block_size=block_size,
                                            num_blocks=nb, table_name="block_tables"))
-  if impl == "xla":
-    if config is not None:
-      check_config(config, triton.Config, impl)  # no tuning in the reference: unused
-    config = None
-  else:
-    config = triton.with_defaults(
-        check_config(config, triton.Config, impl), num_kv_splits=num_kv_splits,
-        fp8_cache=jnp.dtype(key_cache.dtype).itemsize == 1, head_dim=head_dim,
-        num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=block_tables.shape[1] * block_size,
-        interpret=interpret)
+  config = backend_config(impl, config, triton=(triton.Config, functools.partial(
+      triton.with_defaults, num_kv_splits=num_kv_splits,
+      fp8_cache=jnp.dtype(key_cache.dtype).itemsize == 1, head_dim=head_dim,
+      num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=block_tables.shape[1] * block_size,
+      interpret=interpret)))
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,

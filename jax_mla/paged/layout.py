@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_mla._common import FP8_E4M3_MAX
+from jax_mla.cache.e4m3 import cast_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +72,8 @@ def scatter_rows(out_seq: jax.Array, query_row: jax.Array, num_tokens: int,
 
 
 def finish_output(out: jax.Array, dtype, out_scale) -> jax.Array:
-  """Casts to the output dtype; with ``out_scale``, fp8 e4m3 of ``out / out_scale``."""
+  """Casts to the output dtype; with ``out_scale``, fp8 e4m3 of ``out / out_scale``
+  (saturated to +-448, NaN kept)."""
   if out_scale is None:
     return out.astype(dtype)
-  out = out.astype(jnp.float32) / jnp.asarray(out_scale, jnp.float32)
-  return jnp.clip(out, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return cast_fp8(out, out_scale)

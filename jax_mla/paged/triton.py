@@ -31,7 +31,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_mla import _softmax
-from jax_mla._common import LOG2E, cdiv, next_pow2, num_sms
+from jax_mla._common import (
+  LOG2E,
+  cdiv,
+  check_num_splits,
+  check_power_of_two,
+  next_pow2,
+  num_sms,
+  with_num_splits,
+)
 from jax_mla.merge import combine_splits
 from jax_mla.paged.layout import CacheView, decode_rows, finish_output, scatter_rows
 
@@ -130,11 +138,8 @@ class Config:
   num_splits: int | None = None
 
   def __post_init__(self):
-    if not isinstance(self.block_n, int) or self.block_n < 16 or self.block_n & (self.block_n - 1):
-      raise ValueError(f"Config.block_n must be a power of two >= 16; got {self.block_n!r}")
-    if self.num_splits is not None and (not isinstance(self.num_splits, int)
-                                        or self.num_splits < 1):
-      raise ValueError(f"Config.num_splits must be None or an int >= 1; got {self.num_splits!r}")
+    check_power_of_two("Config.block_n", self.block_n, 16)
+    check_num_splits("Config.num_splits", self.num_splits)
 
 
 def default_config(*, fp8_cache: bool, head_dim: int) -> Config:
@@ -161,11 +166,7 @@ def with_defaults(config: Config | None, *, num_kv_splits: int | None, fp8_cache
   """``config`` (``None``: :func:`default_config`) with ``num_splits`` set: the op's
   ``num_kv_splits`` when given, else the config's, else :func:`default_num_kv_splits`."""
   config = config or default_config(fp8_cache=fp8_cache, head_dim=head_dim)
-  if num_kv_splits is not None:
-    return dataclasses.replace(config, num_splits=num_kv_splits)
-  if config.num_splits is not None:
-    return config
-  return dataclasses.replace(config, num_splits=default_num_kv_splits(
+  return with_num_splits(config, num_kv_splits, lambda: default_num_kv_splits(
       num_seqs, num_kv_heads, cdiv(max_tokens, config.block_n), 1 if interpret else num_sms()))
 
 

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mla import _mosaic
 from jax_mla._common import (
   D_QK,
   D_QK_V4,
@@ -34,11 +35,17 @@ from jax_mla.cache.ds_mla import DS_MLA
 from jax_mla.cache.formats import check_cache, resolve
 from jax_mla.cache.layout import Format
 from jax_mla.cache.model1 import MODEL1
+from jax_mla.cache.v41_fp4 import V41_FP4
+from jax_mla.cache.v41_fp8 import V41_FP8
 from jax_mla.sparse_mla import mosaic, reference, triton
 from jax_mla.sparse_mla.layout import token_lengths
 
 D_QKS = (D_QK, D_QK_V4)
-DECODE_CACHE_DTYPES = tuple(f.name for f in (DS_MLA, MODEL1, AUTO))  # the formats decode reads
+# The formats decode reads.
+DECODE_CACHE_DTYPES = tuple(f.name for f in (DS_MLA, MODEL1, V41_FP8, V41_FP4, AUTO))
+# (main, extra) cache formats besides a shared one: FlashMLA's V4.1 fp8 main cache with
+# an fp4 compressed cache.
+EXTRA_FORMAT_PAIRS = ((V41_FP8.name, V41_FP4.name),)
 
 
 def _check_d_v(d_v) -> None:
@@ -85,12 +92,15 @@ def _sm_scale(sm_scale) -> float:
   return float(sm_scale)
 
 
-def _implementation(q, implementation: Implementation, interpret: bool) -> str:
-  """The kernel to run: Mosaic GPU by default on Hopper for the head counts it takes."""
+def _implementation(q, implementation: Implementation, interpret: bool,
+                    fmts: tuple[Format, ...] = ()) -> str:
+  """The kernel to run: Mosaic GPU by default on Hopper for the head counts and cache
+  formats (``fmts``) it takes."""
   if implementation == "mosaic":
-    mosaic.check_supported(q)
+    mosaic.check_supported(q, fmts)
   impl = resolve_implementation(implementation, interpret, has_mosaic=True)
-  if implementation is None and not interpret and mosaic.default_for(q):
+  if implementation is None and not interpret and _mosaic.default_for(
+      mosaic.check_supported, q, fmts):
     return "mosaic"
   return impl
 
@@ -195,6 +205,7 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
                       extra_kv_cache: jax.Array | None = None,
                       extra_indices: jax.Array | None = None,
                       extra_topk_length: jax.Array | None = None,
+                      extra_kv_cache_dtype: str | None = None,
                       implementation: Implementation = None, interpret: bool = False,
                       config: triton.Config | mosaic.Config | None = None, checks: bool = False):
   """Sparse attention decode on a paged latent cache (FlashMLA ``flash_mla_with_kvcache``
@@ -202,13 +213,14 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
 
   Args:
     q: ``[b, s_q, h_q, d_qk]`` bf16; ``d_qk`` 576 for ``"fp8_ds_mla"``, 512 for
-      ``"fp8_model1"``, the cache width for ``"auto"``.
+      ``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``, the cache width for ``"auto"``.
     kv_cache: ``[num_blocks, block_size, *]`` cache in format ``kv_cache_dtype``
       (see ``jax_mla.cache``). fp8 rows are dequantized inside the kernel.
     indices: integer (cast to int32) ``[b, s_q, topk]`` global slots ``block *
       block_size + offset`` (no block table). Slots ``< 0`` or ``>= num_blocks *
       block_size`` are invalid: masked, never read.
-    kv_cache_dtype: ``"fp8_ds_mla"`` (V3.2), ``"fp8_model1"`` (V4) or ``"auto"`` (bf16).
+    kv_cache_dtype: ``"fp8_ds_mla"`` (V3.2), ``"fp8_model1"`` (V4), ``"fp8_v41"`` or
+      ``"fp4_v41"`` (V4.1), or ``"auto"`` (bf16).
     sm_scale: softmax scale (static Python float); ``None`` means ``d_qk ** -0.5``.
     d_v: value width; must be 512 (V = the first 512 latent columns).
     attn_sink: optional float32 ``[h_q]``; output times ``exp(lse) / (exp(lse) +
@@ -216,13 +228,16 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
     topk_length: optional integer ``[b]``: batch ``i`` only uses
       ``indices[i, :, :topk_length[i]]``.
     extra_kv_cache, extra_indices, extra_topk_length: an optional second key set
-      (same format, its own block size, ``extra_indices[b, s_q, extra_topk]``,
+      (its own block size, ``extra_indices[b, s_q, extra_topk]``,
       ``extra_topk_length[b]``) attended in the same softmax as the main one
       (DeepSeek V4: sliding window + compressed cache).
+    extra_kv_cache_dtype: format of ``extra_kv_cache``; ``None`` (default) means
+      ``kv_cache_dtype``. The one other pair: an ``"fp8_v41"`` main cache with a
+      ``"fp4_v41"`` extra cache (FlashMLA's V4.1 pair).
     implementation: ``"triton"`` (old name ``"pallas"``), ``"mosaic"`` (Pallas Mosaic
-      GPU, Hopper, ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks
-      Mosaic GPU on a Hopper GPU for the head counts it takes, else Triton on GPU, else
-      the reference.
+      GPU, Hopper, ``h_q`` a multiple of 64, not the V4.1 formats) or ``"xla"``
+      (reference). ``None`` picks Mosaic GPU on a Hopper GPU for the head counts and
+      formats it takes, else Triton on GPU, else the reference.
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
     config: the chosen kernel's tuning (see :func:`sparse_mla_prefill`).
     checks: also check values shapes cannot show (``topk_length`` /
@@ -252,8 +267,9 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
     raise ValueError("extra_kv_cache and extra_indices must be given together")
   if extra_topk_length is not None and not has_extra:
     raise ValueError("extra_topk_length needs extra_kv_cache and extra_indices")
+  extra_fmt = _extra_format(extra_kv_cache_dtype, kv_cache_dtype, has_extra)
   if has_extra:
-    check_cache(extra_kv_cache, fmt, name="extra_kv_cache")
+    check_cache(extra_kv_cache, extra_fmt or fmt, name="extra_kv_cache")
     check_dtype("extra_kv_cache", extra_kv_cache, kv_cache.dtype)
     if fmt is AUTO:
       check_shape("extra_kv_cache", extra_kv_cache, (None, None, d_qk))
@@ -262,21 +278,38 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   _check_d_v(d_v)
   _check_sink(attn_sink, h_q)
   sm_scale = d_qk ** -0.5 if sm_scale is None else _sm_scale(sm_scale)
-  impl = _implementation(q, implementation, interpret)
+  impl = _implementation(q, implementation, interpret,
+                         (fmt,) if extra_fmt is None else (fmt, extra_fmt))
   config = _config(config, impl, fmt)
   _check_length_values(checks, "topk_length", topk_length, indices.shape[-1])
   if has_extra:
     _check_length_values(checks, "extra_topk_length", extra_topk_length,
                          extra_indices.shape[-1])
   return _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
-                 extra_topk_length, attn_sink, fmt=fmt, sm_scale=sm_scale, d_v=d_v, impl=impl,
-                 config=config, interpret=interpret)
+                 extra_topk_length, attn_sink, fmt=fmt, extra_fmt=extra_fmt, sm_scale=sm_scale,
+                 d_v=d_v, impl=impl, config=config, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "sm_scale", "d_v", "impl", "config",
-                                             "interpret"))
+def _extra_format(extra_kv_cache_dtype, kv_cache_dtype: str, has_extra: bool) -> Format | None:
+  """The extra cache's format when it is not ``kv_cache_dtype`` (``None`` when it is):
+  the other one of an allowed pair."""
+  if extra_kv_cache_dtype is None or extra_kv_cache_dtype == kv_cache_dtype:
+    return None
+  if not has_extra:
+    raise ValueError("extra_kv_cache_dtype needs extra_kv_cache and extra_indices")
+  check_one_of("extra_kv_cache_dtype", extra_kv_cache_dtype, DECODE_CACHE_DTYPES)
+  if (kv_cache_dtype, extra_kv_cache_dtype) not in EXTRA_FORMAT_PAIRS:
+    pairs = ", ".join(f"{a!r} with {b!r}" for a, b in EXTRA_FORMAT_PAIRS)
+    raise ValueError(f"extra_kv_cache_dtype must be kv_cache_dtype ({kv_cache_dtype!r}) or form "
+                     f"one of the pairs (kv_cache_dtype, extra_kv_cache_dtype): {pairs}; got "
+                     f"{extra_kv_cache_dtype!r}")
+  return resolve(extra_kv_cache_dtype, "extra_kv_cache_dtype")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "extra_fmt", "sm_scale", "d_v", "impl",
+                                             "config", "interpret"))
 def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
-            attn_sink, *, fmt, sm_scale, d_v, impl, config, interpret):
+            attn_sink, *, fmt, extra_fmt, sm_scale, d_v, impl, config, interpret):
   b, s_q, h_q, d_qk = q.shape
   tokens = b * s_q
 
@@ -292,13 +325,13 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
   qf = q.reshape(tokens, h_q, d_qk)
   if impl == "xla":
     out, _, lse = reference.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
-                                          d_v=d_v)
-  elif impl == "mosaic":
+                                          d_v=d_v, extra_fmt=extra_fmt)
+  elif impl == "mosaic":  # reads a shared format only (check_supported)
     out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
                                        config=config)
   else:
     out, _, lse = triton.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale, d_v=d_v,
-                                       config=config, interpret=interpret)
+                                       config=config, interpret=interpret, extra_fmt=extra_fmt)
   # FlashMLA's decode LSE is [b, h_q, s_q].
   return out.reshape(b, s_q, h_q, d_v), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)
 

@@ -106,17 +106,18 @@ def _fp8(fmt: Format | None) -> bool:
   return isinstance(fmt, (DsMla, Model1))
 
 
-def check_supported(q) -> None:
-  """Raises ``ValueError`` for query shapes this kernel does not take (Triton does)."""
+def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
+  """Raises ``ValueError`` for what this kernel does not take (Triton does): query shapes,
+  and decode caches (formats ``fmts``) other than bf16 ``"auto"``, ``"fp8_ds_mla"`` and
+  ``"fp8_model1"``."""
   h_q = q.shape[-2]
   if h_q % BLOCK_H:
     raise ValueError(f"the Mosaic GPU sparse MLA kernel needs h_q a multiple of {BLOCK_H} "
                      f"(got {h_q}); use implementation='triton' for this shape")
-
-
-def default_for(q) -> bool:
-  """Whether ``implementation=None`` runs this kernel: Hopper and a supported shape."""
-  return _mosaic.default_for(check_supported, q)
+  for fmt in fmts:
+    if not (_fp8(fmt) or fmt.name == "auto"):
+      raise ValueError(f"the Mosaic GPU sparse MLA kernel does not read {fmt.name!r} caches; "
+                       "use implementation='triton'")
 
 
 def _gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
@@ -323,42 +324,25 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(config.consumer_registers, action="increase")
-    row = _mosaic.row_layout(plgpu)
-    acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, HALF), jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row)
-    l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
-    plgpu.barrier_wait(q_bar)
 
-    def step(i, carry):
-      acc, m, l = carry
-      slot = lax.rem(i, config.num_stages)
-      plgpu.barrier_wait(kv_bar.at[slot])
+    def mask(i, slot):
+      del i
 
-      def qk(s_ref):
-        for h in range(2):
-          plgpu.wgmma(s_ref, q_main.at[h], kv_main.at[slot, h].transpose((1, 0)))
-        if has_rope:
-          plgpu.wgmma(s_ref, q_rope, kv_rope.at[slot].transpose((1, 0)))
-        return s_ref[...]
+      def apply(s):  # the producer wrote each row's validity beside the stage
+        ok = plgpu.load(valid.at[slot], (), layout=_mosaic.col_layout(plgpu), optimized=False)
+        return jnp.where(lax.broadcast_in_dim(ok, s.shape, [1]) != 0, s, -jnp.inf)
 
-      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
-      ok = plgpu.load(valid.at[slot], (), layout=_mosaic.col_layout(plgpu), optimized=False)
-      s = jnp.where(lax.broadcast_in_dim(ok, s.shape, [1]) != 0, s, -jnp.inf)
-      acc, m, l = _mosaic.online_softmax_step(plgpu, s, m, l, acc, kv_main.at[slot, wg], scale)
-      plgpu.barrier_arrive(free_bar.at[slot])
-      return acc, m, l
+      return apply
 
-    acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+    acc, m, l = _mosaic.consume_stages(
+        plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
+        k_rope=kv_rope, steps=steps, barriers=(q_bar, kv_bar, free_bar, done_bar), mask=mask,
+        scale=scale)
 
     # Both consumers are done with Q: its halves become the output staging.
-    plgpu.barrier_arrive(done_bar)
-    plgpu.barrier_wait(done_bar)
-    # No valid key: l == 0 (a valid key adds exp2(0) = 1 at the row max). A NaN score at
-    # a valid key makes l NaN, which is not empty: out and lse come out NaN.
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
+    empty, l_safe = _mosaic.empty_rows(l)
     lse2 = m + jnp.log2(l_safe)
-    sink = plgpu.load(sink_smem, (), layout=row, optimized=False)
+    sink = plgpu.load(sink_smem, (), layout=_mosaic.row_layout(plgpu), optimized=False)
     # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
     inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
     q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)

@@ -73,21 +73,23 @@ def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale: float, d_v: 
   return _map_tokens(step, q, indices, lengths)
 
 
-def sparse_decode(q, sets, attn_sink, *, fmt: Format, sm_scale: float, d_v: int):
+def sparse_decode(q, sets, attn_sink, *, fmt: Format, sm_scale: float, d_v: int,
+                  extra_fmt: Format | None = None):
   """Reference sparse decode over key sets that share one softmax.
 
   ``q[T, h, d]`` (batch and query position flattened); each set is
   ``(kv_cache, indices[T, topk], lengths[T])`` with global slots
-  ``block * block_size + offset``, caches in format ``fmt``. Returns ``(out,
-  max_logits, lse)`` over ``T``.
+  ``block * block_size + offset``, caches in format ``fmt`` (the second set in
+  ``extra_fmt`` when given). Returns ``(out, max_logits, lse)`` over ``T``.
   """
   caches = [cache for cache, _, _ in sets]
+  fmts = (fmt, extra_fmt or fmt)[:len(sets)]
 
   def step(q_c, *pairs):
     rows, valid = [], []
-    for cache, idx_c, len_c in zip(caches, pairs[::2], pairs[1::2], strict=True):
+    for cache, f, idx_c, len_c in zip(caches, fmts, pairs[::2], pairs[1::2], strict=True):
       ok = valid_slots(idx_c, len_c, cache.shape[0] * cache.shape[1])
-      rows.append(fmt.gather_dequantize(cache, jnp.where(ok, idx_c, 0)))
+      rows.append(f.gather_dequantize(cache, jnp.where(ok, idx_c, 0)))
       valid.append(ok)
     return attend_gathered(q_c, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
                            attn_sink, sm_scale=sm_scale, d_v=d_v)

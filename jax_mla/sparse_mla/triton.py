@@ -24,6 +24,11 @@ registers, one scale tile at a time, to bf16 for the dots:
 * ``"fp8_model1"`` (V4): 7 NoPE tiles of 64 fp8 values times ``2**(e - 127)``
   (UE8M0 byte ``e`` from the block's scale region), then 64 bf16 RoPE values.
   V = all 8 pieces (d_v 512 = 448 NoPE + 64 RoPE).
+* ``"fp8_v41"`` / ``"fp4_v41"`` (V4.1, 528 / 288 B/token): 8 pieces of 64 values
+  (fp8, or e2m1 nibbles decoded with integer bit arithmetic: no fp4 hardware
+  needed), each column times its tile's scale (UE8M0 per 32 / e4m3 per 16). Both
+  give the same pieces, so an fp8_v41 main set and an fp4_v41 extra set share
+  one softmax.
 
 Pallas Triton computes gather offsets in int32 for arrays of at most 4 GiB, which
 wraps once an element offset passes 2**31: byte views of caches between 2 and
@@ -46,10 +51,11 @@ from jax_mla import _softmax
 from jax_mla._common import LN2, LOG2E, cdiv, next_pow2
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.e4m3 import FP8
-from jax_mla.cache.layout import Format
+from jax_mla.cache.layout import Format, TileScaled
 from jax_mla.cache.model1 import Model1
 
 MIN_TILE = 16  # smallest Triton dot tile
+TILE_SCALED_PIECE = 64  # columns per dequantized piece of a V4.1 row (as fp8_model1's tiles)
 # Byte views larger than this (and at most 4 GiB) are read as uint16 (see the module doc).
 I32_SAFE_BYTES = 2**31
 
@@ -228,12 +234,57 @@ def model1_source(kv_cache: jax.Array, fmt: Model1) -> tuple[KVSource, tuple[jax
   return KVSource(pieces=pieces, num_slots=nb * bs, load=load, num_refs=3), views
 
 
+def _gather_scale_bytes(ref, rows, valid, cols: jax.Array, wide: bool) -> jax.Array:
+  """int32 ``[K, w]``: byte ``cols[0, j]`` of each gathered row (0 where invalid)."""
+  if not wide:
+    return plgpu.load(ref.at[rows[:, None], cols], mask=valid[:, None],
+                      other=0).astype(jnp.int32)
+  pairs = plgpu.load(ref.at[rows[:, None], cols // 2], mask=valid[:, None],
+                     other=0).astype(jnp.int32)
+  return lax.shift_right_logical(pairs, 8 * (cols % 2)) & 0xFF
+
+
+def tile_scaled_source(kv_cache: jax.Array,
+                       fmt: TileScaled) -> tuple[KVSource, tuple[jax.Array, ...]]:
+  """V4.1 cache ``uint8[nb, bs, token_bytes]`` -> (source, views: the token rows).
+
+  Pieces of ``TILE_SCALED_PIECE`` columns: their value bytes (64 fp8, or 32 bytes of
+  e2m1 pairs split into nibbles and interleaved), times each column's scale,
+  gathered straight into ``[K, 64]`` (a tile's byte repeated over its columns).
+  """
+  n = kv_cache.shape[0] * kv_cache.shape[1]
+  view, wide = _byte_view(kv_cache.reshape(n, fmt.token_bytes))
+  width = TILE_SCALED_PIECE
+  pieces = tuple((c, width) for c in range(0, fmt.head_size, width))
+  piece_bytes = width * fmt.bits // 8
+
+  def load(kv_refs, slots, valid):
+    (ref,) = kv_refs
+    out = []
+    for c, _ in pieces:
+      raw = _load_bytes(ref, slots, valid, c * fmt.bits // 8, piece_bytes, wide)
+      if fmt.bits == 8:  # straight fp8 -> bf16, as the other fp8 sources
+        vals = lax.bitcast_convert_type(raw, FP8).astype(jnp.bfloat16)
+      else:
+        vals = fmt.decode_values(fmt.unpack(raw)).astype(jnp.bfloat16)
+      cols = fmt.data_bytes + col_iota(c, width) // fmt.tile
+      scale = fmt.decode_scales(_gather_scale_bytes(ref, slots, valid, cols, wide))
+      # Exact in bf16: a power of two (fp8) or 4 bits (fp4) times a short value.
+      out.append(vals * scale.astype(jnp.bfloat16))
+    return out
+
+  return KVSource(pieces=pieces, num_slots=n, load=load, num_refs=1), (view,)
+
+
 def cache_source(kv_cache: jax.Array, fmt: Format):
-  """(source, views) for a cache in ``"fp8_ds_mla"``, ``"fp8_model1"`` or ``"auto"`` (bf16)."""
+  """(source, views) for a cache in ``"fp8_ds_mla"``, ``"fp8_model1"``, ``"fp8_v41"``,
+  ``"fp4_v41"`` or ``"auto"`` (bf16)."""
   if isinstance(fmt, DsMla):
     return ds_mla_source(kv_cache, fmt)
   if isinstance(fmt, Model1):
     return model1_source(kv_cache, fmt)
+  if isinstance(fmt, TileScaled):
+    return tile_scaled_source(kv_cache, fmt)
   nb, bs, d = kv_cache.shape
   return bf16_source(nb * bs, d), (kv_cache.reshape(nb * bs, d),)
 
@@ -349,13 +400,14 @@ def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale: float, d_v: 
 
 
 def sparse_decode(q, sets, attn_sink, *, fmt: Format, sm_scale: float, d_v: int,
-                  config: Config, interpret: bool = False):
+                  config: Config, interpret: bool = False, extra_fmt: Format | None = None):
   """Sparse decode on the kernel: ``q[T, h, d]`` and sets ``(kv_cache, indices[T, topk],
   lengths[T])`` validated and flattened by :func:`jax_mla.sparse_mla.sparse_mla_decode`;
-  ``fmt`` the caches' format. Returns ``(out, max_logits, lse)``."""
+  ``fmt`` the caches' format, ``extra_fmt`` the second set's when it differs. Returns
+  ``(out, max_logits, lse)``."""
   kernel_sets = []
-  for cache, idx, lengths in sets:
-    src, views = cache_source(cache, fmt)
+  for (cache, idx, lengths), f in zip(sets, (fmt, extra_fmt or fmt), strict=False):
+    src, views = cache_source(cache, f)
     kernel_sets.append((src, idx, lengths, views))
   return _run(q, kernel_sets, attn_sink, sm_scale=sm_scale, d_v=d_v, config=config,
               interpret=interpret)
