@@ -36,6 +36,7 @@ from jax_mla.dense_decode import metadata as md
 from jax_mla.dense_decode import mosaic, triton
 from jax_mla.dense_decode import reference as ref
 from jax_mla.indexing.metadata import block_table_checks
+from jax_mla.sharding import OpSharding, shape_of
 
 _Q_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 _KV_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
@@ -425,7 +426,6 @@ def _mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_
 
 
 # --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------
-from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
 
 # mla_decode and mla_ragged_paged_attention have ragged metadata: requests only stacked.
 mla_decode.sharding = OpSharding(heads=dict(q=1), head_outs=(1, 1), num_heads=shape_of("q", 1),

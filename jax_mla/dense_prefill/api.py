@@ -26,6 +26,7 @@ from jax_mla._common import (
 )
 from jax_mla.dense_prefill import triton
 from jax_mla.dense_prefill.reference import mla_prefill_reference
+from jax_mla.sharding import OpSharding, shape_of
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -142,7 +143,6 @@ def _mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqle
 
 
 # --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------
-from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
 
 # Ragged metadata (cu_seqlens): requests only stacked. mla_prefill's LSE is [H, Tq].
 mla_prefill.sharding = OpSharding(

@@ -20,11 +20,8 @@ from jax_mla.indexing import triton as _triton
 def _kernel_config(config, implementation, interpret):
   """``None`` for the reference, else the Triton kernels' config."""
   impl = c.resolve_implementation(implementation, interpret)
-  if impl == "xla":
-    if config is not None:
-      c.check_config(config, _triton.Config, impl)  # no tuning in the reference: unused
-    return None
-  return c.check_config(config, _triton.Config, impl) or _triton.Config()
+  return c.backend_config(impl, config,
+                          triton=(_triton.Config, lambda cfg: cfg or _triton.Config()))
 
 
 def convert_req_index_to_global_index(req_id: jax.Array, block_table: jax.Array,

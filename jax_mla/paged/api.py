@@ -26,6 +26,7 @@ from jax_mla.indexing.metadata import block_table_checks
 from jax_mla.paged import triton
 from jax_mla.paged.layout import key_view, value_view
 from jax_mla.paged.reference import paged_attention_xla
+from jax_mla.sharding import OpSharding, shape_of
 
 _QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -204,7 +205,6 @@ def paged_attention(
 
 
 # --- sharding: how jax_mla.sharding splits this op over devices (see OpSharding) -----------
-from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
 
 # Heads are counted in KV heads: query head i reads KV head i // (Hq // Hkv), so the
 # query, sink and ALiBi head axes hold Hkv groups of Hq // Hkv, KV heads outermost,

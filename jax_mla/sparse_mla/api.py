@@ -21,7 +21,7 @@ from jax_mla._common import (
   D_V,
   Implementation,
   as_int32,
-  check_config,
+  backend_config,
   check_dtype,
   check_one_of,
   check_rank,
@@ -37,6 +37,7 @@ from jax_mla.cache.layout import Format
 from jax_mla.cache.model1 import MODEL1
 from jax_mla.cache.v41_fp4 import V41_FP4
 from jax_mla.cache.v41_fp8 import V41_FP8
+from jax_mla.sharding import OpSharding, shape_of
 from jax_mla.sparse_mla import mosaic, reference, triton
 from jax_mla.sparse_mla.layout import token_lengths
 
@@ -107,12 +108,10 @@ def _implementation(q, implementation: Implementation, interpret: bool,
 
 def _config(config, impl: str, fmt: Format | None):
   """The backend's ``Config``: the user's, or the heuristic; the reference takes none."""
-  if impl == "xla":
-    return None
-  if impl == "mosaic":
-    return check_config(config, mosaic.Config, impl) or mosaic.default_config(fmt)
-  return check_config(config, triton.Config, impl) or triton.default_config(
-      decode=fmt is not None)
+  return backend_config(
+      impl, config,
+      mosaic=(mosaic.Config, lambda cfg: cfg or mosaic.default_config(fmt)),
+      triton=(triton.Config, lambda cfg: cfg or triton.default_config(decode=fmt is not None)))
 
 
 def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float,
@@ -337,7 +336,6 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
 
 
 # --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------
-from jax_mla.sharding import OpSharding, shape_of  # noqa: E402
 
 sparse_mla_prefill.sharding = OpSharding(
     heads=dict(q=1, attn_sink=0), head_outs=(1, 1, 1), num_heads=shape_of("q", 1),
