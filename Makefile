@@ -34,16 +34,17 @@ demo: $(VENV)/.package
 test: install
 	JAX_PLATFORMS=cpu $(VPY) -m pytest -q -n 2 tests
 
-# GPU suite: the same tests compiled for the GPU, plus the @pytest.mark.gpu ones. Compiled
-# programs persist in .jax_cache/ (tests/conftest.py), so a second run skips most compiles.
-# One pytest process by default (one GPU); GPU_WORKERS=N runs N processes that share the
-# GPU without preallocating its memory (compiles run in parallel on the CPU cores).
+# GPU suite: the same tests compiled for the GPU, plus the @pytest.mark.gpu ones; the
+# cpu_only tests (references against numpy, input validation) are skipped there. Compiling
+# dominates, so GPU_WORKERS processes share the one GPU (no memory preallocation; each
+# file stays in one process so its shared compiles happen once). Compiled programs persist
+# in .jax_cache/ (tests/conftest.py), so a second run skips most compiles.
 # The bridge's CPU-tensor tests stay on the CPU suite (on a GPU machine
 # `implementation=None` picks a GPU kernel for them); its GPU tests run here.
-GPU_WORKERS ?= 1
+GPU_WORKERS ?= 4
 GPU_PYTEST = JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(if $(filter-out 1,$(GPU_WORKERS)),\
   XLA_PYTHON_CLIENT_PREALLOCATE=false) $(RUN_PY) -m pytest -q \
-  $(if $(filter-out 1,$(GPU_WORKERS)),-n $(GPU_WORKERS))
+  $(if $(filter-out 1,$(GPU_WORKERS)),-n $(GPU_WORKERS) --dist loadfile)
 test-gpu:
 	$(GPU_PYTEST) tests --ignore=tests/test_torch_bridge.py
 	$(GPU_PYTEST) tests/test_torch_bridge.py -m gpu

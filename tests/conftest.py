@@ -1,5 +1,5 @@
 """Shared test setup: the `gpu` and `cpu_only` markers, the `interpret` fixture and, on
-a GPU, the persistent compilation cache."""
+a GPU, the persistent compilation cache and no matmul autotuning."""
 
 import os
 import pathlib
@@ -9,6 +9,12 @@ import pytest
 from helpers import has_gpu
 
 jax.config.update("jax_enable_x64", False)
+
+# XLA:GPU autotunes each matmul of the references while compiling them (several trial
+# compiles per dot); the tests check results, not speed, so the default algorithms do.
+# Read when the backend starts (after this), on CPU ignored; a user's own setting wins.
+if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
 
 CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
 

@@ -179,6 +179,7 @@ def midpoint_neighbours():
 # Layout and bytes
 
 
+@pytest.mark.cpu_only
 def test_shapes_and_registry():
   assert {"fp8_v41", "fp4_v41"} <= set(KV_CACHE_DTYPES)
   assert kv_cache_shape(10, 64, 512, "fp8_v41") == (10, 64, 528)
@@ -397,6 +398,7 @@ def test_decode_kernel_matches_reference(interpret, monkeypatch, case):
   _check_lse(lse, ref[1])
 
 
+@pytest.mark.cpu_only
 def test_decode_reference_matches_dense_numpy():
   """One softmax over the fp8 main and fp4 extra rows, dequantized by the oracle."""
   case = DECODE_CASES[0]
@@ -429,6 +431,7 @@ def test_decode_reference_matches_dense_numpy():
   assert np.isposinf(np.asarray(lse)).any()  # lengths 0 and all-invalid rows exist
 
 
+@pytest.mark.cpu_only
 def test_decode_validation(monkeypatch):
   q = jnp.zeros((1, 1, 64, 512), jnp.bfloat16)
   fp8 = jnp.zeros(kv_cache_shape(2, 4, 512, "fp8_v41"), jnp.uint8)

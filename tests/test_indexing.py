@@ -102,12 +102,14 @@ def test_expand_capacity_smaller_than_total_drops_tail(interpret):
     np.testing.assert_array_equal(pages, want)
 
 
+@pytest.mark.cpu_only
 def test_req_id_per_token():
   qsl = jnp.array([0, 3, 3, 5], jnp.int32)
   got = ix.req_id_per_token(qsl, num_tokens=8)
   np.testing.assert_array_equal(got, [0, 0, 0, 2, 2, 0, 0, 0])
 
 
+@pytest.mark.cpu_only
 def test_filter_prefill_indices():
   idx = jnp.array([[0, 4, 7, -1], [2, 3, 1, 5]], jnp.int32)
   ctx = jnp.array([5, 2], jnp.int32)
@@ -116,12 +118,14 @@ def test_filter_prefill_indices():
   np.testing.assert_array_equal(new, [[-1, -1, 2, -1], [0, 1, -1, 3]])
 
 
+@pytest.mark.cpu_only
 def test_lse2_to_lse():
   got = lse2_to_lse(jnp.array([1.0, -2.0, jnp.inf], jnp.bfloat16))
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, [np.log(2), -2 * np.log(2), np.inf], rtol=1e-6)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("call,match", [
     (lambda: ix.convert_req_index_to_global_index(
         jnp.zeros(3, jnp.int32), jnp.zeros((2, 2), jnp.int32), jnp.zeros((4, 2), jnp.int32)),
@@ -151,6 +155,7 @@ def test_bad_input_names_argument(call, match):
     call()
 
 
+@pytest.mark.cpu_only  # the cast is host code
 def test_int64_metadata_is_cast(interpret):
   rng = np.random.default_rng(5)
   bt = rng.integers(0, 100, (3, 4)).astype(np.int64)

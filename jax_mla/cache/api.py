@@ -127,10 +127,11 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
   else:
     config = None  # no kernel runs: the XLA writer
   capacity = kv_cache.shape[0] * kv_cache.shape[1]
-  check_values(checks, (slot_mapping < capacity,
-                        f"slot_mapping must be < num_blocks * block_size = {capacity} "
-                        "(negative skips a token); got max {got}",
-                        dict(got=jnp.max(slot_mapping, initial=-1))))
+  if checks:  # the operands are device work: build them only when asked
+    check_values(checks, (slot_mapping < capacity,
+                          f"slot_mapping must be < num_blocks * block_size = {capacity} "
+                          "(negative skips a token); got max {got}",
+                          dict(got=jnp.max(slot_mapping, initial=-1))))
   write = _concat_and_cache_donated if donate else _concat_and_cache
   return write(kv_c, k_pe, kv_cache, slot_mapping, fmt.scale_arg(scale), fmt=fmt, config=config,
                interpret=interpret)
