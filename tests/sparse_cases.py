@@ -61,19 +61,25 @@ def quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used, dense=Tru
   return x, x
 
 
-def key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths, dense=True):
-  """(cache, its bf16 content or None, indices[b, s_q, topk], topk_length[b] or None);
-  batch 0 gets length 0, and only the slots the usable indices name hold numbers."""
-  n = num_blocks * block_size
-  idx = random_indices(rng, (b, s_q, topk), n)
-  topk_length = None
-  used_idx = idx
+def indices_and_used_slots(rng, b, s_q, topk, num_slots, lengths):
+  """(indices[b, s_q, topk], topk_length[b] or None, used[num_slots]): random indices
+  (invalid ones included), lengths with batch 0 at 0, and which slots a usable index names."""
+  idx = random_indices(rng, (b, s_q, topk), num_slots)
+  topk_length, used_idx = None, idx
   if lengths:
     topk_length = rng.integers(0, topk + 1, b).astype(np.int32)
     topk_length[0] = 0
     used_idx = np.where(np.arange(topk) < topk_length[:, None, None], idx, -1)
-  used = np.zeros(n, bool)
-  used[used_idx[(used_idx >= 0) & (used_idx < n)]] = True
+  used = np.zeros(num_slots, bool)
+  used[used_idx[(used_idx >= 0) & (used_idx < num_slots)]] = True
+  return idx, topk_length, used
+
+
+def key_set(rng, kv_cache_dtype, b, s_q, topk, num_blocks, block_size, lengths, dense=True):
+  """(cache, its bf16 content or None, indices[b, s_q, topk], topk_length[b] or None);
+  batch 0 gets length 0, and only the slots the usable indices name hold numbers."""
+  n = num_blocks * block_size
+  idx, topk_length, used = indices_and_used_slots(rng, b, s_q, topk, n, lengths)
   cache, content = quantized_cache(rng, kv_cache_dtype, num_blocks, block_size, used, dense)
   return (cache, content, jax.device_put(idx),
           None if topk_length is None else jax.device_put(topk_length))

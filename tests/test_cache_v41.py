@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import rel_err
-from sparse_cases import random_indices, random_sink
+from sparse_cases import indices_and_used_slots, random_sink
 
 from jax_mla import _mosaic
 from jax_mla.cache import (
@@ -336,14 +336,7 @@ def v41_key_set(rng, fmt, b, s_q, topk, num_blocks, block_size, lengths):
   """(cache, indices[b, s_q, topk], topk_length[b] or None): batch 0 gets length 0 and
   every slot no usable index names holds NaN latents (poisoned tiles)."""
   n = num_blocks * block_size
-  idx = random_indices(rng, (b, s_q, topk), n)
-  topk_length, used_idx = None, idx
-  if lengths:
-    topk_length = rng.integers(0, topk + 1, b).astype(np.int32)
-    topk_length[0] = 0
-    used_idx = np.where(np.arange(topk) < topk_length[:, None, None], idx, -1)
-  used = np.zeros(n, bool)
-  used[used_idx[(used_idx >= 0) & (used_idx < n)]] = True
+  idx, topk_length, used = indices_and_used_slots(rng, b, s_q, topk, n, lengths)
   x = (rng.standard_normal((n, 512)) * 0.3).astype(np.float32)
   x[~used] = np.nan
   cache = QUANTIZE[fmt](jnp.asarray(x.reshape(num_blocks, block_size, 512), jnp.bfloat16))
