@@ -1,7 +1,8 @@
 """Cache writer (``concat_and_cache_mla``): Triton kernel against the XLA reference.
 
 Memory-bound: the figure is (latent bytes read + cache bytes written) / time,
-against device-to-device copy bandwidth (3.0 TB/s on the H100, BENCHMARKS.md).
+against device-to-device copy bandwidth (3.0 TB/s on the H100: benchmarks/RESULTS.md,
+"Anchors").
 The cache is threaded through one jitted, donated program that applies the
 write once per input set, so the write is in place (as in a serving step) and
 one dispatch is spread over all the sets. `python -m benchmarks.bench_cache`
@@ -19,7 +20,7 @@ import numpy as np
 from benchmarks.harness import Row, device_name, n_sets, print_table
 from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
 
-COPY_TBPS = 3.0  # BENCHMARKS.md: device-to-device copy on the H100
+COPY_TBPS = 3.0  # device-to-device copy on the H100 (RESULTS.md, "Anchors")
 
 
 def _head(fmt: str) -> int:

@@ -3,8 +3,9 @@
   PYTHONPATH=$PWD python3 -m benchmarks.bench_deepseek_v4 [--rows NAME,...]
 
 Times the layer path (index helpers + workspace gathers + sparse-MLA kernels) on
-the V4 rows of BENCHMARKS.md, and the bare sparse-MLA kernel call on the same
-indices, so the layer's overhead shows. Metadata is built once on the host
+the V4 rows of the FlashMLA anchors (benchmarks/RESULTS.md, "Anchors"; the anchor
+figures below are its 2026-11-22 edition), and the bare sparse-MLA kernel call on the
+same indices, so the layer's overhead shows. Metadata is built once on the host
 (vLLM shares it across layers) and not timed.
 
 FLOPs follow FlashMLA: ``2 * tokens * h_q * keys * (d_qk + d_v)`` with ``keys`` the

@@ -1,4 +1,4 @@
-"""Index conversion kernels against the seed Triton rows of BENCHMARKS.md."""
+"""Index conversion kernels against the seed Triton rows (benchmarks/RESULTS.md, "Anchors")."""
 
 from __future__ import annotations
 

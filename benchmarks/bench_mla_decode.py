@@ -1,4 +1,4 @@
-"""Dense MLA decode on the GPU: correctness vs the reference, then the BENCHMARKS.md rows.
+"""Dense MLA decode on the GPU: correctness vs the reference, then the FlashMLA anchor rows.
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_mla_decode [--skip-check] [--sweep] [--memcheck]
 
@@ -6,8 +6,9 @@
 three FlashMLA dense-decode rows, with the Triton kernel and (on Hopper, for the
 rows it takes) the Mosaic GPU kernel with ``harness.time_us`` (one cache, distinct
 queries and block tables per input set), after checking the timed call against
-the XLA reference. ``--sweep`` times tile configurations of the kernel entry.
-FLOPs follow FlashMLA: ``2 * b * s_q * h_q * seqlen * (576 + 512)``; bandwidth
+the XLA reference. ``--sweep`` times Triton ``Config``s of the public op. The
+anchors (``CASES``) are the 2026-11-22 FlashMLA figures (benchmarks/RESULTS.md,
+"Anchors"). FLOPs follow FlashMLA: ``2 * b * s_q * h_q * seqlen * (576 + 512)``; bandwidth
 counts the KV bytes read once.
 """
 
@@ -114,7 +115,7 @@ class Case:
   unit: str  # "TFLOP/s" for the compute-bound rows, "TB/s" for the memory-bound one
 
 
-CASES = [  # BENCHMARKS.md, FlashMLA dense decode bf16
+CASES = [  # FlashMLA dense decode bf16 (RESULTS.md, "Anchors", 2026-11-22 edition)
     Case("b128 s_q1 h128 len4096 bs64", 128, 1, 128, 4096, 64, 554.0, "TFLOP/s"),
     Case("b64 s_q2 h128 len8192 bs64", 64, 2, 128, 8192, 64, 628.0, "TFLOP/s"),
     Case("b132 s_q1 h16 len8192 bs64", 132, 1, 16, 8192, 64, 2.75, "TB/s"),
@@ -136,7 +137,7 @@ def _case_sets(case: Case):
 
 
 def run(cases=CASES) -> list[Row]:
-  """The BENCHMARKS.md dense-decode rows through the public ``mla_decode_paged``, once
+  """The FlashMLA dense-decode anchor rows through the public ``mla_decode_paged``, once
   per GPU kernel that takes the row (Triton; Mosaic GPU on Hopper)."""
   dev = device_name()
   rows = []

@@ -3,10 +3,11 @@
   PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 -m benchmarks.bench_mla_prefill [--sweep]
 
 FLOPs = 2 * (visible q-k pairs) * H * (d_qk + d_v); causal pairs per sequence L(L+1)/2.
-BENCHMARKS.md has no dense-prefill anchor: the anchor is torch's
-scaled_dot_product_attention on the same shapes (whichever backend torch picks for
-d_qk 192 / d_v 128), when torch is importable. ``run()`` times the public
-``mla_prefill``; ``--sweep`` times tile configurations of the kernel entry.
+There is no FlashMLA or seed anchor for dense prefill (benchmarks/RESULTS.md,
+"Anchors"): the anchor is torch's scaled_dot_product_attention on the same shapes
+(whichever backend torch picks for d_qk 192 / d_v 128), when torch is importable.
+``run()`` times the public ``mla_prefill``; ``--sweep`` times Triton ``Config``s of
+the public op.
 """
 
 from __future__ import annotations

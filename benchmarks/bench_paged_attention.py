@@ -1,11 +1,12 @@
-"""Benchmark paged_attention (Pallas) on the BENCHMARKS.md rows; checks it first.
+"""Benchmark paged_attention (Triton kernel) on the seed anchor rows; checks it first.
 
 Rows: 128 seqs, Hq 64, Hkv 8, D 128, block 16, len 4096 (vLLM 5-D K cache and
 [nb, Hkv, D, bs] V cache), bf16 / fp8 K+V / sinks + sliding window 1024, plus a
 few-long-sequences row that shows the KV split. Bandwidth counts the K and V
 bytes that must be read once (only the window for the windowed row): 2.15 GB for
-the bf16 row (BENCHMARKS.md's 0.91 TB/s for the seed counts half of that), against
-device-to-device copy (3.0 TB/s on the H100).
+the bf16 row (the 2026-11-22 edition of the anchors gave the seed 0.91 TB/s, counting
+half of that), against device-to-device copy (3.0 TB/s on the H100). The seed times
+(``seed_us``) are the 2026-11-22 anchors (benchmarks/RESULTS.md, "Anchors").
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_paged_attention [--sweep]
 
@@ -64,7 +65,7 @@ class Workload:
   fp8: bool = False
   window: int = 0
   sinks: bool = False
-  seed_us: float | None = None  # the seed Triton kernel (BENCHMARKS.md)
+  seed_us: float | None = None  # the seed Triton kernel (RESULTS.md, "Anchors")
 
   @property
   def k_scale(self) -> float:

@@ -1,6 +1,7 @@
 """Scaling of sharded MLA attention (jax_mla.sharding) from one GPU to two.
 
-For the BENCHMARKS.md decode rows (and the V3.2 sparse prefill row) it times the
+For the FlashMLA anchor decode rows (and the V3.2 sparse prefill row; anchors:
+benchmarks/RESULTS.md, "Anchors", 2026-11-22 edition) it times the
 op on one GPU, then under ``head_parallel`` on two GPUs (query heads split, the
 latent cache replicated) and, for the batch-major decodes, under
 ``request_parallel`` (requests and cache blocks split), checks every sharded
@@ -65,7 +66,7 @@ def _scaling_rows(name, config, fn, sets, *, flops, anchor, anchor_name, modes, 
   return rows
 
 
-# The BENCHMARKS.md shapes (module constants, so a CPU smoke run can shrink them).
+# The anchor rows' shapes (module constants, so a CPU smoke run can shrink them).
 SPARSE_DECODE = dict(b=128, s_q=2, h=128, topk=2048, bs=64, nb=4096)
 DENSE_DECODE = dict(b=128, s_q=1, h=128, seqlen=4096, bs=64)
 SPARSE_PREFILL = dict(s_q=4096, h=128, topk=2048, s_kv=32768)

@@ -1,4 +1,4 @@
-"""Sparse MLA on the GPU: correctness against the reference, then timing of the BENCHMARKS.md rows.
+"""Sparse MLA on the GPU: correctness against the reference, then timing of the FlashMLA rows.
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_sparse_mla [--check] [--small] [--rows ROWS]
       [--triton-configs bh:bk:w:s,...] [--mosaic-configs stages:consumer:producer,...]
@@ -9,7 +9,8 @@ after checking the timed call against the XLA reference. Given ``--*-configs``, 
 CLI times the public ops with those ``config=`` values instead (for tuning): Triton
 ``Config(block_h, block_k, num_warps, num_stages)``, Mosaic GPU ``Config(num_stages,
 consumer_registers, producer_registers)``.
-FLOPs follow FlashMLA: ``2 * tokens * h_q * (topk [+ extra_topk]) * (d_qk + d_v)``.
+FLOPs follow FlashMLA: ``2 * tokens * h_q * (topk [+ extra_topk]) * (d_qk + d_v)``. The
+anchors (``ROWS``) are the 2026-11-22 FlashMLA figures (benchmarks/RESULTS.md, "Anchors").
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Decode:
   anchor: float  # FlashMLA TFLOP/s on the H100
 
 
-ROWS = {  # BENCHMARKS.md
+ROWS = {  # the FlashMLA anchor rows (RESULTS.md, "Anchors", 2026-11-22 edition)
     "prefill_v32": Prefill(4096, 128, 2048, 576, 32768, True, 623.0),
     "prefill_v32_131k": Prefill(4096, 128, 2048, 576, 131072, True, 546.0),
     "prefill_v4_h128": Prefill(4096, 128, 1024, 512, 32768, False, 571.0),
@@ -66,7 +67,7 @@ ROWS = {  # BENCHMARKS.md
     "decode_m1_h128": Decode("fp8_model1", 256, 2, 128, 128, 256, 1024, 64, 8192, 375.0),
     "decode_m1_h64": Decode("fp8_model1", 256, 2, 64, 128, 256, 512, 64, 8192, 229.0),
 }
-# Not a BENCHMARKS.md row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
+# Not an anchor row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
 EXTRA_ROWS = {
     "decode_ds_b128_1g": Decode("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 16384, 395.0),
 }

@@ -2,8 +2,9 @@
 
 Every op has a pure jax.numpy reference (``implementation="xla"``) and a Pallas
 Triton kernel (``implementation="triton"``; ``"pallas"`` is its old name), some a
-Pallas Mosaic GPU kernel for Hopper (``"mosaic"``); ``None`` picks by the device
-the arrays live on. Layer-level backends (``FlashMLASparse``, ``AiterMLA``,
+Pallas Mosaic GPU kernel for Hopper (``"mosaic"``); ``None`` picks by JAX's default
+backend (Mosaic GPU on Hopper where the op has a kernel for the shapes, else Triton on
+a GPU, else the reference). Layer-level backends (``FlashMLASparse``, ``AiterMLA``,
 ``DeepseekV4Sparse``) live in :mod:`jax_mla.backends`, the ``shard_map`` wrappers
 (``head_parallel``, ``request_parallel``) in :mod:`jax_mla.sharding`, the KV-cache
 formats in :mod:`jax_mla.cache`.

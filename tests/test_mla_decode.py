@@ -237,6 +237,21 @@ def test_ragged_reference_matches_numpy():
   assert np.all(np.asarray(out[4]) == 0)  # padding token
 
 
+@pytest.mark.cpu_only
+def test_ragged_donates_only_when_asked():
+  rng = np.random.default_rng(4)
+  args = _ragged_case(rng, [1, 3], [6, 5], 2, 4, 2, 5, 2)
+  dist = jnp.array([1, 2, 2], jnp.int32)
+  _, first = mla_ragged_paged_attention(*args, dist, implementation="xla")
+  assert not args[4].is_deleted()  # an eager call leaves the caller's cache usable
+  want = np.asarray(first, np.float32)
+  # Writing the same tokens again into the updated cache changes nothing.
+  _, second = mla_ragged_paged_attention(*args[:4], first, *args[5:], dist, donate=True,
+                                         implementation="xla")
+  assert first.is_deleted()  # donate=True hands the buffer over (CPU honours donation)
+  np.testing.assert_array_equal(np.asarray(second, np.float32), want)
+
+
 @pytest.mark.parametrize("q_lens,kv_lens,n_heads,page_size,num_live,qpb", [
     ([1, 5, 3], [12, 5, 20], 8, 4, 3, None),      # decode + prefill + chunked prefill
     ([2, 7, 1], [3, 26, 4], 16, 16, 2, 4),        # third sequence unused

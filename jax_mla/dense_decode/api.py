@@ -296,7 +296,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
                                num_queries_per_block: int | None = None,
                                vmem_limit_bytes: int | None = None, debug_mode: bool = False,
                                num_kv_splits: int | None = None,
-                               config: triton.Config | None = None,
+                               config: triton.Config | None = None, donate: bool = False,
                                implementation: Implementation = None, interpret: bool = False):
   """MLA ragged paged attention with the cache write, tpu-inference MLA v1 convention.
 
@@ -319,7 +319,8 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
     q_pe: ``[T, N, 64]`` RoPE queries.
     new_kv_c: ``[T, 512]`` new latents, dtype of ``cache_kv``.
     new_k_pe: ``[T, 64]`` new RoPE keys, dtype of ``cache_kv``.
-    cache_kv: ``[num_pages, page_size, 576]`` bf16 or float8_e4m3fn; donated.
+    cache_kv: ``[num_pages, page_size, 576]`` bf16 or float8_e4m3fn (updated in place
+      under ``jax.jit`` when the jitted function donates it; see ``donate``).
     kv_lens: ``[S]`` integer keys per sequence (after the write).
     page_indices: ``[S * pages_per_seq]`` integer; sequence ``i``'s pages start at
       ``i * pages_per_seq``.
@@ -339,6 +340,10 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
     debug_mode: must be False (tpu-inference's TPU log recorder).
     num_kv_splits: static split-KV count (replaces ``config.num_splits`` when given).
     config: ``None`` (the heuristic) or a :class:`jax_mla.dense_decode.triton.Config`.
+    donate: give ``cache_kv``'s buffer to the call in an eager call (in place; the
+      caller's array is deleted), as :func:`jax_mla.cache.concat_and_cache_mla` does.
+      Without it an eager call leaves the caller's cache intact. Inside ``jax.jit`` it
+      changes nothing.
 
   Returns:
     ``(o_latent [T, N, 512] ql_nope.dtype, updated cache_kv)``. Padding tokens
@@ -390,15 +395,13 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
       triton=_triton(num_kv_splits, rows_per_group=tokens_per_group * n_heads,
                      num_groups=num_seqs_max + -(-num_tokens // tokens_per_group),
                      avg_kv_len=pages_per_seq * page_size))
-  return _mla_ragged_paged_attention(
+  run = _mla_ragged_paged_attention_donated if donate else _mla_ragged_paged_attention
+  return run(
       ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices, cu_q_lens,
       distribution, q_scale, k_scale, v_scale, sm_scale=sm_scale,
       tokens_per_group=tokens_per_group, config=config, interpret=interpret)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "tokens_per_group", "config", "interpret"),
-    donate_argnames=("cache_kv",))
 def _mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens,
                                 page_indices, cu_q_lens, distribution, q_scale, k_scale,
                                 v_scale, *, sm_scale, tokens_per_group, config, interpret):
@@ -423,6 +426,13 @@ def _mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_
   _, tok_ok, _, _ = md.ragged_token_layout(cu_q_lens, distribution, num_tokens)
   out = jnp.where(tok_ok[:, None, None], out.reshape(num_tokens, n_heads, D_NOPE), 0)
   return out, cache_kv
+
+
+_RAGGED_STATIC = ("sm_scale", "tokens_per_group", "config", "interpret")
+_mla_ragged_paged_attention_donated = jax.jit(
+    _mla_ragged_paged_attention, static_argnames=_RAGGED_STATIC, donate_argnames=("cache_kv",))
+_mla_ragged_paged_attention = jax.jit(_mla_ragged_paged_attention,
+                                      static_argnames=_RAGGED_STATIC)
 
 
 # --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------
