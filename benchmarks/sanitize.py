@@ -19,7 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla import _mosaic
-from jax_mla.cache import quantize_fp8_ds_mla, quantize_fp8_model1_cache
+from jax_mla.cache import (
+  quantize_fp4_v41,
+  quantize_fp8_ds_mla,
+  quantize_fp8_model1_cache,
+  quantize_fp8_v41,
+)
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.dense_prefill import mla_prefill
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
@@ -55,24 +60,32 @@ def sparse_prefill(impl):
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
 
 
+QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1_cache,
+            "fp8_v41": quantize_fp8_v41, "fp4_v41": quantize_fp4_v41}
+
+
 def sparse_decode(impl):
+  """Each format, the V4 / V4.1 ones with an extra set (V4.1: also fp8 main + fp4 extra)."""
   rng = np.random.default_rng(1)
   b, s_q, h_q = 2, 2, 64
-  for fmt, d_qk, bs, extra_bs in (("fp8_ds_mla", 576, 64, None), ("fp8_model1", 512, 64, 2)):
-    def cache(num_blocks, block_size, topk, d_qk=d_qk, fmt=fmt):
+  for fmt, extra_fmt, d_qk, bs, extra_bs in (
+      ("fp8_ds_mla", None, 576, 64, None), ("fp8_model1", "fp8_model1", 512, 64, 2),
+      ("fp8_v41", "fp8_v41", 512, 64, 2), ("fp8_v41", "fp4_v41", 512, 64, 2),
+      ("fp4_v41", None, 512, 16, None)):
+    def cache(num_blocks, block_size, topk, fmt, d_qk=d_qk):
       idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)
       rows = _nan_unused(rng.standard_normal((num_blocks * block_size, d_qk)).astype(np.float32),
                          idx.ravel())
       rows = jnp.asarray(rows.reshape(num_blocks, block_size, d_qk), jnp.bfloat16)
-      quant = quantize_fp8_ds_mla if fmt == "fp8_ds_mla" else quantize_fp8_model1_cache
-      return quant(rows), jnp.asarray(idx)
+      return QUANTIZE[fmt](rows), jnp.asarray(idx)
 
-    main, idx = cache(5, bs, 100)
-    extra = cache(7, extra_bs, 33) if extra_bs else (None, None)
+    main, idx = cache(5, bs, 100, fmt)
+    extra = cache(7, extra_bs, 33, extra_fmt) if extra_bs else (None, None)
+    kw = {"extra_kv_cache_dtype": extra_fmt} if extra_bs else {}
     q = jnp.asarray(rng.standard_normal((b, s_q, h_q, d_qk)) / 3, jnp.bfloat16)
     yield sparse_mla_decode(q, main, idx, kv_cache_dtype=fmt, extra_kv_cache=extra[0],
                             extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
-                            implementation=impl)[0]
+                            implementation=impl, **kw)[0]
 
 
 def dense_decode(impl):

@@ -325,8 +325,9 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
   if impl == "xla":
     out, _, lse = reference.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
                                           d_v=d_v, extra_fmt=extra_fmt)
-  elif impl == "mosaic":  # reads a shared format only (check_supported)
-    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
+  elif impl == "mosaic":
+    fmts = (fmt, extra_fmt or fmt)[:len(sets)]
+    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
                                        config=config)
   else:
     out, _, lse = triton.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale, d_v=d_v,

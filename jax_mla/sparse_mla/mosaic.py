@@ -11,11 +11,14 @@ default on Hopper GPUs for the shapes it takes). One CTA takes one query token a
   moves 16-byte pieces itself (8 threads per 128-byte tile row, FlashMLA's split):
   bf16 rows with ``cp.async``; ``fp8_ds_mla`` and ``fp8_model1`` rows by loading the
   fp8 bytes and their scales into registers, dequantizing, and storing bf16 (the
-  RoPE part, bf16 already, with ``cp.async``). An invalid index reads nothing and
-  leaves a zero row, so NaN in unused slots never reaches the arithmetic. It also
+  RoPE part, bf16 already, with ``cp.async``); DeepSeek V4.1's ``fp8_v41`` and
+  ``fp4_v41`` rows likewise (Hopper has no fp4 tensor cores: e2m1 codes become bf16
+  by a byte-permute table lookup on the way into shared memory). An invalid index
+  reads nothing and leaves a zero row, so NaN in unused slots never reaches the arithmetic. It also
   writes each row's validity next to the stage. A decode with an extra key set
   (DeepSeek V4) gathers the main set's steps, then the extra set's, into the same
-  ring: the consumers see one longer run of keys;
+  ring: the consumers see one longer run of keys. Each set has its own format
+  (V4.1 pairs an ``fp8_v41`` main set with an ``fp4_v41`` extra set);
 - two consumer warpgroups each own 256 of the 512 output columns; both compute
   the same ``S = Q K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), mask the
   invalid columns to ``-inf``, run the online softmax in base 2, and multiply
@@ -27,8 +30,9 @@ set's ``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
 Shapes: ``h_q`` a multiple of 64 (other head counts belong to the Triton kernel,
 ``implementation="triton"``); everything else the public functions take: prefill
 ``d_qk`` 576 or 512, decode in every cache format, with or without the extra set.
-The fp8 rows are read at the offsets of the formats' layout objects
-(:mod:`jax_mla.cache.ds_mla`, :mod:`jax_mla.cache.model1`).
+The quantized rows are read at the offsets of the formats' layout objects
+(:mod:`jax_mla.cache.ds_mla`, :mod:`jax_mla.cache.model1`,
+:class:`jax_mla.cache.layout.TileScaled`).
 """
 
 from __future__ import annotations
@@ -38,13 +42,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
 from jax_mla._common import LN2, LOG2E, cdiv
+from jax_mla.cache import e2m1
 from jax_mla.cache.ds_mla import DsMla
-from jax_mla.cache.layout import Format
+from jax_mla.cache.layout import Format, TileScaled
 from jax_mla.cache.model1 import Model1
 from jax_mla.sparse_mla.layout import valid_slots
 
@@ -89,33 +96,34 @@ class Config:
 
 
 def default_config(fmt: Format | None) -> Config:
-  """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows).
+  """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows; a decode's
+  main set decides for its extra set, which is quantized too when the main set is).
 
   The consumers hold a 64 x 256 float32 accumulator. The fp8 producer is
   latency-bound: at 88 registers it keeps more rows' loads in flight than at 56
   (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s; 104 and 120 gave no more). The
   bf16 producer only issues ``cp.async`` copies: 40 registers.
   """
-  if _fp8(fmt):
+  if _dequantized(fmt):
     return Config(consumer_registers=208, producer_registers=88)
   return Config(consumer_registers=232, producer_registers=40)
 
 
-def _fp8(fmt: Format | None) -> bool:
+def _dequantized(fmt: Format | None) -> bool:
   """Whether the producer dequantizes the rows (else it copies bf16 rows)."""
-  return isinstance(fmt, (DsMla, Model1))
+  return isinstance(fmt, (DsMla, Model1, TileScaled))
 
 
 def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
   """Raises ``ValueError`` for what this kernel does not take (Triton does): query shapes,
-  and decode caches (formats ``fmts``) other than bf16 ``"auto"``, ``"fp8_ds_mla"`` and
-  ``"fp8_model1"``."""
+  and decode caches (formats ``fmts``) other than bf16 ``"auto"``, ``"fp8_ds_mla"``,
+  ``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``."""
   h_q = q.shape[-2]
   if h_q % BLOCK_H:
     raise ValueError(f"the Mosaic GPU sparse MLA kernel needs h_q a multiple of {BLOCK_H} "
                      f"(got {h_q}); use implementation='triton' for this shape")
   for fmt in fmts:
-    if not (_fp8(fmt) or fmt.name == "auto"):
+    if not (_dequantized(fmt) or fmt.name == "auto"):
       raise ValueError(f"the Mosaic GPU sparse MLA kernel does not read {fmt.name!r} caches; "
                        "use implementation='triton'")
 
@@ -127,8 +135,9 @@ def _gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
   ``cp.async``),
   :class:`~jax_mla.cache.ds_mla.DsMla` (656-byte rows) or
-  :class:`~jax_mla.cache.model1.Model1` (rows spread over their cache block), both
-  dequantized in registers. ``row_bytes`` is the cache's last axis in bytes (a block
+  :class:`~jax_mla.cache.model1.Model1` (rows spread over their cache block) or
+  :class:`~jax_mla.cache.layout.TileScaled` (``fp8_v41`` / ``fp4_v41`` rows, RoPE
+  quantized too), dequantized in registers. ``row_bytes`` is the cache's last axis in bytes (a block
   is ``block_size`` of them).
   """
   from jax._src.lib.mlir import ir
@@ -200,7 +209,7 @@ def _gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes
     # bf16 pieces, copied as they are: (this thread's first destination, source byte
     # offset of tile piece 0, bytes between the thread's rows in the stage).
     copies = []
-    if not _fp8(fmt):
+    if not _dequantized(fmt):
       copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in range(D_MAIN // TILE)]
     if d_qk > D_MAIN:
       rope_at = fmt.rope_offset if isinstance(fmt, DsMla) else 2 * D_MAIN
@@ -235,17 +244,28 @@ def _gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes
       dsts = [main_dst(k, lane) for k in range(fmt.num_tiles)]
       lane8 = arith.extui(i64, arith.muli(lane, c32(8)))
       sources = [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
-    if _fp8(fmt):
+    elif isinstance(fmt, TileScaled):
+      # Thread `lane` holds the 16-byte chunk `lane` (8 values) of every bf16 column
+      # tile k, as with Model1: ``fmt.bits`` value bytes at k * 64 * bits / 8 + lane *
+      # bits, scaled by scale byte (k * 64 + lane * 8) // fmt.tile. The asm takes the
+      # lane's part of that byte's bit offset in the row's scale words.
+      dsts = [main_dst(k, lane) for k in range(D_MAIN // TILE)]
+      lane_bytes = arith.extui(i64, arith.muli(lane, c32(fmt.bits)))
+      sources = [(at(row, lane_bytes), at(row, c64(fmt.data_bytes))) for row in rows]
+      lane_shift = [arith.muli(arith.divui(arith.muli(lane, c32(8)), c32(fmt.tile)), c32(8))]
+    if _dequantized(fmt):
+      extra = lane_shift if isinstance(fmt, TileScaled) else []
       for r, ((data, scale), ok) in enumerate(zip(sources, oks, strict=True)):
-        llvm.inline_asm(void, [data, scale, arith.extui(i32, ok), *dsts],
-                        _dequant_asm(fmt, r * row_stride),
-                        ",".join(["l", "l", "r"] + ["r"] * len(dsts)), has_side_effects=True)
+        operands = [data, scale, arith.extui(i32, ok), *extra, *dsts]
+        llvm.inline_asm(void, operands, _dequant_asm(fmt, r * row_stride),
+                        ",".join(["l", "l"] + ["r"] * (len(operands) - 2)),
+                        has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
   return gather
 
 
-def _dequant_asm(fmt: DsMla | Model1, row_offset: int) -> str:
+def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int) -> str:
   """PTX that dequantizes one row's share of one thread and stores it as bf16.
 
   Operands: data address, scale address, valid, then the shared addresses of the
@@ -257,7 +277,10 @@ def _dequant_asm(fmt: DsMla | Model1, row_offset: int) -> str:
   - ``"fp8_model1"``: 7 x 8 fp8 bytes (one piece of each 64-value tile, 64 bytes
     apart) and the row's 8 UE8M0 scale bytes (``2**(e - 127)`` is the float32 with
     exponent field ``e``); 7 stores.
+  - ``"fp8_v41"`` / ``"fp4_v41"``: see :func:`_tile_scaled_asm`.
   """
+  if isinstance(fmt, TileScaled):
+    return _tile_scaled_asm(fmt, row_offset)
   ds_mla = isinstance(fmt, DsMla)
   # A thread holds 1/8 of each tile (8 threads per 128-byte row): tile / 32 words.
   words, tiles, tile_bytes = fmt.tile // (4 * THREADS_PER_ROW), fmt.num_tiles, fmt.tile
@@ -278,17 +301,103 @@ def _dequant_asm(fmt: DsMla | Model1, row_offset: int) -> str:
       lines += [f"bfe.u32 c0, t{k // 4}, {8 * (k % 4)}, 8;", "shl.b32 c0, c0, 23;",
                 "mov.b32 s0, c0;"]
     for i in range(words):
-      lines += [f"mov.b32 {{lo16, hi16}}, x{words * k + i};",
-                "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
-                "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
-      lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
-      lines += [f"mul.f32 f{j}, f{j}, {scale};" for j in range(4)]
-      lines += [f"cvt.rn.bf16x2.f32 o{2 * i}, f1, f0;",  # hi = the odd column
-                f"cvt.rn.bf16x2.f32 o{2 * i + 1}, f3, f2;"]
+      lines += _fp8_to_bf16x2(f"x{words * k + i}", scale, (f"o{2 * i}", f"o{2 * i + 1}"))
     for piece in range(words // 2):
       operand = 3 + (words // 2) * k + piece
       o = ", ".join(f"o{4 * piece + i}" for i in range(4))
       lines.append(f"st.shared.v4.b32 [${operand}+{row_offset}], {{{o}}};")
+  lines.append("}")
+  return "\n".join(lines)
+
+
+def _fp8_to_bf16x2(word: str, scale: str, outs: tuple[str, str]) -> list[str]:
+  """PTX: 4 e4m3 bytes of ``word`` times float32 ``scale`` -> two bf16x2 registers
+  ``outs`` (the odd column in the high half). Uses registers lo16, hi16, c0, c1,
+  e0-e3, f0-f3."""
+  lines = [f"mov.b32 {{lo16, hi16}}, {word};",
+           "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
+           "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
+  lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
+  lines += [f"mul.f32 f{j}, f{j}, {scale};" for j in range(4)]
+  return lines + [f"cvt.rn.bf16x2.f32 {outs[0]}, f1, f0;", f"cvt.rn.bf16x2.f32 {outs[1]}, f3, f2;"]
+
+
+def _e2m1_tables() -> tuple[int, int, int, int]:
+  """``prmt`` tables of the bf16 bits of e2m1 magnitudes 0..7: (low bytes of codes 0-3,
+  of codes 4-7, high bytes of codes 0-3, of codes 4-7) as little-endian words."""
+  with jax.ensure_compile_time_eval():
+    mags = np.asarray(e2m1.values(jnp.arange(8, dtype=jnp.int32)))
+  bits = mags.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+  word = lambda b: int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)  # noqa: E731
+  lo, hi = bits & 0xFF, bits >> 8
+  return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def _tile_scaled_asm(fmt: TileScaled, row_offset: int) -> str:
+  """PTX for one row of an ``fp8_v41`` / ``fp4_v41`` cache (see :func:`_dequant_asm`).
+
+  Operands: data address (lane's bytes of column tile 0), scale address, valid, the
+  lane's bit offset in the scale words, then the 8 shared addresses of chunk ``lane``
+  of column tiles 0..7. The row's value bytes of each tile (8 fp8 or 4 e2m1 bytes, 8
+  values) and all its scale bytes are loaded; each 8-value chunk is one 16-byte store.
+
+  - fp8 (UE8M0 scale per 32 values): as ``"fp8_model1"``.
+  - fp4 (e4m3 scale per 16 values): ``prmt`` looks the low and high byte of each
+    magnitude's bf16 up in two 8-byte tables (the 3 magnitude bits of a code are the
+    byte index), a second ``prmt`` interleaves them into bf16 pairs, the sign bit is
+    moved into bit 15 of each half, and one ``mul.rn.bf16x2`` by the scale finishes
+    (exact: 2 and 4 significant bits).
+  """
+  fp4 = fmt.bits == 4
+  tiles = D_MAIN // TILE
+  words = fmt.bits * 8 // 32  # data words of one chunk: 2 (fp8) or 1 (fp4)
+  scale_words = fmt.num_tiles // 4
+  per_tile = TILE // fmt.tile  # scale bytes of one column tile: 2 or 4
+  xs = [f"x{i}" for i in range(words * tiles)]
+  ts = [f"t{i}" for i in range(scale_words)]
+  lines = ["{", ".reg .pred p0;",
+           f".reg .b32 {', '.join(xs + ts)}, o<4>, c<2>, sc;",
+           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s0;", "setp.ne.b32 p0, $2, 0;"]
+  if fp4:
+    lines += [".reg .b32 tab<4>, tl, th, sg, sa, sb, m16, m15;"]
+    lines += [f"mov.b32 tab{i}, {w:#x};" for i, w in enumerate(_e2m1_tables())]
+    lines += ["mov.b32 m16, 0xffff;", "mov.b32 m15, 0x80008000;"]
+  lines += [f"mov.b32 {r}, 0;" for r in xs + ts]
+  load = "ld.global.nc.b32" if words == 1 else f"ld.global.nc.v{words}.b32"
+  for k in range(tiles):
+    regs = ", ".join(xs[words * k:words * (k + 1)])
+    lines.append(f"@p0 {load} {{{regs}}}, [$0+{k * TILE * fmt.bits // 8}];"
+                 if words > 1 else f"@p0 {load} {regs}, [$0+{k * TILE * fmt.bits // 8}];")
+  for w in range(0, scale_words, 4):
+    lines.append(f"@p0 ld.global.nc.v4.b32 {{{', '.join(ts[w:w + 4])}}}, [$1+{4 * w}];")
+  for k in range(tiles):
+    byte = k * per_tile  # the tile's first scale byte; the lane adds $3 bits
+    lines += [f"shr.b32 c0, t{byte // 4}, $3;", f"bfe.u32 c0, c0, {8 * (byte % 4)}, 8;"]
+    if fp4:  # e4m3 scale -> bf16 in both halves
+      lines += ["mov.b32 {lo16, hi16}, c0;", "cvt.rn.f16x2.e4m3x2 c1, lo16;",
+                "mov.b32 {e0, e1}, c1;", "cvt.f32.f16 s0, e0;", "cvt.rn.bf16x2.f32 sc, s0, s0;"]
+      x = xs[k]
+      for half in range(2):  # values 4 * half .. + 3
+        sel = x if half == 0 else "c0"
+        if half:
+          lines.append(f"shr.b32 c0, {x}, 16;")
+        lines += [f"and.b32 c0, {sel}, 0x7777;",  # the magnitude bits of 4 codes
+                  "prmt.b32 tl, tab0, tab1, c0;", "prmt.b32 th, tab2, tab3, c0;",
+                  f"prmt.b32 o{2 * half}, tl, th, 0x5140;",  # values 0, 1 of the four
+                  f"prmt.b32 o{2 * half + 1}, tl, th, 0x7362;"]  # values 2, 3
+      for p in range(4):  # value 2p's sign (bit 8p + 3) -> 15, 2p + 1's (8p + 7) -> 31
+        lo_shift, hi_shift = 12 - 8 * p, 24 - 8 * p
+        lines.append(f"shl.b32 sa, {x}, {lo_shift};" if lo_shift >= 0
+                     else f"shr.b32 sa, {x}, {-lo_shift};")
+        lines.append(f"shl.b32 sb, {x}, {hi_shift};")
+        lines += ["lop3.b32 sg, sa, sb, m16, 0xE4;",  # (sa & m16) | (sb & ~m16)
+                  f"lop3.b32 o{p}, o{p}, sg, m15, 0xF8;",  # o | (sg & 0x80008000)
+                  f"mul.rn.bf16x2 o{p}, o{p}, sc;"]
+    else:  # UE8M0: the code is the float32 exponent field of the scale
+      lines += ["shl.b32 c0, c0, 23;", "mov.b32 s0, c0;"]
+      for i in range(words):
+        lines += _fp8_to_bf16x2(xs[words * k + i], "s0", (f"o{2 * i}", f"o{2 * i + 1}"))
+    lines.append(f"st.shared.v4.b32 [${4 + k}+{row_offset}], {{o0, o1, o2, o3}};")
   lines.append("}")
   return "\n".join(lines)
 
@@ -428,18 +537,19 @@ def _clean_indices(indices, lengths, num_slots):
   return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
-def _attend(q, sets, attn_sink, *, fmt, sm_scale, config):
+def _attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   """The kernel over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
 
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
-  block_size, width]`` holds bf16 latents or fp8 bytes of ``fmt`` (see
-  :func:`_gather_fn`); ``lengths`` (int32) are clipped here to ``[0, topk]``. Returns
+  block_size, width]`` holds bf16 latents or the bytes of its format in ``fmts`` (one
+  per set; see :func:`_gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
+  topk]``. Returns
   ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
-  for cache, indices, lengths in sets:
+  for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
     num_slots = num_blocks * block_size
     lengths = jnp.clip(lengths, 0, indices.shape[1])
@@ -499,16 +609,17 @@ def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Conf
   ``[h_q]`` float32 or None, ``lengths`` ``[s_q]`` int32. Returns ``(out, max_logits,
   lse)``.
   """
-  return _attend(q, [(kv[:, None], indices, lengths)], attn_sink, fmt=None, sm_scale=sm_scale,
-                 config=config)
+  return _attend(q, [(kv[:, None], indices, lengths)], attn_sink, fmts=(None,),
+                 sm_scale=sm_scale, config=config)
 
 
-def sparse_decode(q, sets, attn_sink, *, fmt: Format, sm_scale, config: Config):
+def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, config: Config):
   """Decode on the kernel (call under jit); inputs validated by
   :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_supported`.
 
   ``q[T, h_q, d_qk]`` (batch and query position flattened); ``sets`` one or two
-  ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T])``
-  in format ``fmt``, attended in one softmax. Returns ``(out, max_logits, lse)`` over ``T``.
+  ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T])``,
+  set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
+  lse)`` over ``T``.
   """
-  return _attend(q, sets, attn_sink, fmt=fmt, sm_scale=sm_scale, config=config)
+  return _attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config)
