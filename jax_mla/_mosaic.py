@@ -64,68 +64,118 @@ def default_for(check, *args, **kwargs) -> bool:
   return True
 
 
-def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, mask,
-                   scale: float):
+def shared_scratch(plgpu_mod, rows: int, num_stages: int):
+  """What :func:`consume_stages` passes between its two warpgroups besides ``P``, for a
+  kernel's ``run_scoped``: float32 ``[num_stages + 2, rows]`` SMEM (each ring slot's
+  rescale factor, then the running row max and sum) and ``num_stages + 1`` barriers
+  (one "``P`` ready" per slot, then warpgroup 0's own one)."""
+  return (plgpu_mod.SMEM((num_stages + 2, rows), jnp.float32),
+          plgpu_mod.Barrier(num_arrivals=1, num_barriers=num_stages + 1))
+
+
+def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, shared,
+                   mask, scale: float):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
   (dense decode and sparse MLA; call after ``set_max_registers``).
 
   A producer warpgroup fills a ring of key stages in SMEM; the two consumers (``wg``
-  0 and 1) each own 256 of the 512 output columns. Per stage both compute the same
-  ``S = Q K^T``, over the two 256-wide halves of the 512 main columns plus the RoPE
-  columns, mask it, run the online softmax in base 2 and multiply ``P`` by their half
-  of ``V`` (the main columns of the same key rows).
+  0 and 1) each own 256 of the 512 output columns. Per stage warpgroup 0 computes
+  ``S = Q K^T`` over the two 256-wide halves of the 512 main columns plus the RoPE
+  columns, masks it and runs the online softmax in base 2; it hands ``P`` (bf16) and
+  the rows' rescale factor to warpgroup 1 through SMEM, and both multiply ``P`` by
+  their half of ``V`` (the main columns of the same key rows). ``S`` is computed once
+  (FlashMLA's split): computing it in both warpgroups cost a third of the tensor-core
+  work of a step. Warpgroup 1's ``P V`` of a stage overlaps warpgroup 0's ``Q K^T``
+  of the next. ``P`` goes into the stage's RoPE tile, dead once ``S`` is computed
+  (``V`` is the main columns), and the rescale factor into the slot's row of
+  ``stats``: both are free again when the stage is.
 
   Args:
     wg: this consumer's index (``lax.axis_index("wg")``).
     q_main, q_rope: SMEM ``[2, rows, 256]`` and ``[rows, rope]`` queries (``q_rope``
       None: no RoPE columns).
-    k_main, k_rope: SMEM rings ``[stages, 2, keys, 256]`` and ``[stages, keys, rope]``.
+    k_main, k_rope: SMEM rings ``[stages, 2, keys, 256]`` and ``[stages, keys, rope]``;
+      ``k_rope`` holds ``P`` after ``S`` (``rope == rows``), also when ``q_rope`` is None.
     steps: key stages to consume (traced).
     barriers: ``(q_bar, kv_bar, free_bar, done_bar)``: query loaded, stage loaded (one
       per stage), stage free (one per stage, both consumers arrive), both consumers done
       with the query.
-    mask: ``mask(i, slot)`` runs before stage ``i`` (ring slot ``slot``) is waited for,
-      so work that does not read the stage overlaps the wait; it returns the function
-      that sets the float32 scores of absent keys to ``-inf``.
+    shared: ``(stats, p_ready)`` from :func:`shared_scratch`.
+    mask: ``mask(i, slot)`` runs (in warpgroup 0) before stage ``i`` (ring slot
+      ``slot``) is waited for, so work that does not read the stage overlaps the wait;
+      it returns the function that sets the float32 scores of absent keys to ``-inf``.
     scale: the softmax scale times ``log2(e)``.
 
   Returns:
-    ``(acc, m, l)`` once both consumers are done with the query, whose SMEM may then
-    stage the output: the float32 accumulator ``[rows, 256]``, the row max (scaled
-    base-2 units) and sum. Finish with :func:`empty_rows`.
+    ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
+    may then stage the output: the float32 accumulator ``[rows, 256]``, the row max
+    (scaled base-2 units) and sum. Finish with :func:`empty_rows`.
   """
   plgpu = plgpu_mod
   q_bar, kv_bar, free_bar, done_bar = barriers
+  stats, p_ready = shared
   num_stages, _, keys, half = k_main.shape
   rows = q_main.shape[1]
+  m_row, l_row = num_stages, num_stages + 1
   row = row_layout(plgpu)
+  load_row = lambda k: plgpu.load(stats.at[k], (), layout=row, optimized=False)  # noqa: E731
   acc = plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA)
-  m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row)
-  l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row)
+
+  @pl.when(wg == 0)
+  def _init():
+    # The running max and sum live in SMEM: only warpgroup 0 updates them. Its own
+    # barrier orders these stores (by whichever threads hold a row) before any load.
+    stats.at[m_row][...] = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row)
+    stats.at[l_row][...] = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row)
+    plgpu.barrier_arrive(p_ready.at[num_stages])
+    plgpu.barrier_wait(p_ready.at[num_stages])
+
   plgpu.barrier_wait(q_bar)
 
-  def step(i, carry):
-    acc, m, l = carry
+  def step(i, acc):
     slot = lax.rem(i, num_stages)
-    apply_mask = mask(i, slot)
-    plgpu.barrier_wait(kv_bar.at[slot])
 
-    def qk(s_ref):
-      for h in range(2):
-        plgpu.wgmma(s_ref, q_main.at[h], k_main.at[slot, h].transpose((1, 0)))
-      if q_rope is not None:
-        plgpu.wgmma(s_ref, q_rope, k_rope.at[slot].transpose((1, 0)))
-      return s_ref[...]
+    @pl.when(wg == 0)
+    def _scores():
+      apply_mask = mask(i, slot)
+      plgpu.barrier_wait(kv_bar.at[slot])
 
-    s = apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
-    acc, m, l = online_softmax_step(plgpu, s, m, l, acc, k_main.at[slot, wg], scale)
+      def qk(s_ref):
+        for h in range(2):
+          plgpu.wgmma(s_ref, q_main.at[h], k_main.at[slot, h].transpose((1, 0)))
+        if q_rope is not None:
+          plgpu.wgmma(s_ref, q_rope, k_rope.at[slot].transpose((1, 0)))
+        return s_ref[...]
+
+      s = apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
+      # The previous step's P-ready barrier ordered the stores of m and l before these.
+      p, alpha, m, l = online_softmax(s, load_row(m_row), load_row(l_row), scale)
+      k_rope.at[slot][...] = p  # S is done (read above): the RoPE tile is dead
+      stats.at[slot][...] = alpha
+      stats.at[m_row][...] = m
+      stats.at[l_row][...] = l
+      plgpu.commit_smem()  # P is read by wgmma (the async proxy)
+      plgpu.barrier_arrive(p_ready.at[slot])
+
+    @pl.when(wg == 1)
+    def _():
+      plgpu.barrier_wait(kv_bar.at[slot])
+
+    plgpu.barrier_wait(p_ready.at[slot])
+    alpha = load_row(slot)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, k_rope.at[slot], k_main.at[slot, wg])
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(free_bar.at[slot])
-    return acc, m, l
+    return acc
 
-  acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+  acc = lax.fori_loop(0, steps, step, acc)
   plgpu.barrier_arrive(done_bar)
   plgpu.barrier_wait(done_bar)
-  return acc, m, l
+  return acc, load_row(m_row), load_row(l_row)
 
 
 def empty_rows(l):
@@ -139,24 +189,14 @@ def empty_rows(l):
   return empty, jnp.where(empty, 1.0, l)
 
 
-def online_softmax_step(plgpu_mod, s, m, l, acc, v_ref, scale: float):
-  """One key block of a consumer warpgroup's online softmax and ``P V``.
-
-  ``s`` float32 scores (WGMMA layout, ``-inf`` where there is no key), ``m`` the running
-  row max in scaled base-2 units, ``l`` the running sum, ``acc`` the float32 output
-  accumulator, ``v_ref`` the SMEM values for ``acc``'s columns, ``scale`` the softmax
-  scale times ``log2(e)``. Returns the new ``(acc, m, l)``.
-  """
+def online_softmax(s, m, l, scale: float):
+  """One key block of the online softmax: ``s`` float32 scores (WGMMA layout, ``-inf``
+  where there is no key), ``m`` the running row max in scaled base-2 units, ``l`` the
+  running sum, ``scale`` the softmax scale times ``log2(e)``. Returns ``(P in bf16, the
+  factor that rescales what was accumulated before, m, l)``, updated."""
   # The scale folds into the exp2's FMA.
   m_new = jnp.maximum(m, s.max(axis=1) * scale)
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
   alpha = jnp.exp2(m - m_use)
   p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-  l = l * alpha + p.sum(axis=1)
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-  p16 = p.astype(jnp.bfloat16)
-
-  def pv(acc_ref):
-    plgpu_mod.wgmma(acc_ref, p16, v_ref)
-
-  return pl.run_state(pv)(plgpu_mod.ACC.init(acc)), m_new, l
+  return p.astype(jnp.bfloat16), alpha, m_new, l * alpha + p.sum(axis=1)

@@ -10,10 +10,11 @@ one KV split, and three warpgroups:
   request's cache blocks (64 keys each, found through the block table) into a
   two-stage shared-memory ring with TMA;
 - two consumer warpgroups each own 256 of the 512 output columns (a 64 x 512
-  float32 accumulator does not fit one warpgroup's registers). Both compute the
-  same ``S = Q K^T`` (64 x 64, over 512 NoPE + 64 RoPE columns) and online
-  softmax in base 2, then each multiplies ``P`` by its half of ``V`` (the first
-  512 columns of the same latent rows).
+  float32 accumulator does not fit one warpgroup's registers). The first computes
+  ``S = Q K^T`` (64 x 64, over 512 NoPE + 64 RoPE columns) and the online softmax
+  in base 2 and hands ``P`` to the second through SMEM; each multiplies ``P`` by
+  its half of ``V`` (the first 512 columns of the same latent rows)
+  (:func:`jax_mla._mosaic.consume_stages`).
 
 Unwritten cache slots may hold NaN, and ``0 * NaN`` is NaN, so no CTA reads
 them: each request's partial last block comes from a small copy (``tail``) in
@@ -24,8 +25,9 @@ On an H100 (jax 0.11.2) the b128 s_q1 h128 seqlen-4096 row runs at 350-370
 TFLOP/s (the Triton kernel: 153-157). Tried and dropped, as they timed the
 same within noise: FlashAttention-3 ping-pong ordering of the two consumers,
 and masking only the blocks that need it (a uniform ``lax.cond``). Splitting
-KV for that row (512 CTAs) was 5% slower. The redundant ``Q K^T`` is a third of the
-tensor-core work; sharing ``P`` through SMEM (FlashMLA) is the next step.
+KV for that row (512 CTAs) was 5% slower. Computing ``S`` once and sharing ``P``
+through SMEM (FlashMLA's split; before, both consumers computed ``S``, a third of the
+tensor-core work) took that row from 400 to 369-388 us (2026-11-23).
 
 Shapes: ``s_q * h_q`` must be a multiple of 64 (and ``h_q`` a multiple of 64
 when ``causal`` and ``s_q > 1``), the cache block size 64, everything bf16.
@@ -87,8 +89,8 @@ class Config:
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, smem, barriers, *,
                    plgpu, batch, s_q, h_q, num_blocks, num_splits, causal, scale, registers):
-  q_nope, q_rope, kv_nope, kv_rope, lse_smem = smem
-  q_bar, kv_bar, free_bar, done_bar = barriers
+  q_nope, q_rope, kv_nope, kv_rope, lse_smem, p_stats = smem
+  q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   bi = lax.axis_index("b")
   split = lax.axis_index("s")
   tile = lax.axis_index("t")
@@ -119,7 +121,8 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
 
     acc, m, l = _mosaic.consume_stages(
         plgpu, wg=wg, q_main=q_nope, q_rope=q_rope, k_main=kv_nope, k_rope=kv_rope, steps=steps,
-        barriers=(q_bar, kv_bar, free_bar, done_bar), mask=mask, scale=scale)
+        barriers=(q_bar, kv_bar, free_bar, done_bar), shared=(p_stats, p_ready),
+        mask=mask, scale=scale)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)
@@ -236,18 +239,21 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   tail = _tail_blocks(kv_cache, block_table, seq)
 
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, BLOCK_M, NUM_STAGES)
   smem = (
       plgpu.SMEM((2, BLOCK_M, HALF), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((BLOCK_M, D_ROPE), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((NUM_STAGES, 2, PAGE, HALF), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((NUM_STAGES, PAGE, D_ROPE), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
+      shared_smem,
   )
   barriers = (
       plgpu.Barrier(num_arrivals=3),  # query: three TMA copies (2 NoPE halves + RoPE)
       plgpu.Barrier(num_arrivals=3, num_barriers=NUM_STAGES),  # key stage loaded, likewise
       plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),  # stage free: both consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      shared_barrier,
   )
   kernel = functools.partial(
       _decode_kernel, plgpu=plgpu, batch=b, s_q=s_q, h_q=h_q, num_blocks=num_blocks,

@@ -19,10 +19,11 @@ default on Hopper GPUs for the shapes it takes). One CTA takes one query token a
   (DeepSeek V4) gathers the main set's steps, then the extra set's, into the same
   ring: the consumers see one longer run of keys. Each set has its own format
   (V4.1 pairs an ``fp8_v41`` main set with an ``fp4_v41`` extra set);
-- two consumer warpgroups each own 256 of the 512 output columns; both compute
-  the same ``S = Q K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), mask the
-  invalid columns to ``-inf``, run the online softmax in base 2, and multiply
-  ``P`` by their half of ``V`` (the first 512 columns of the same rows).
+- two consumer warpgroups each own 256 of the 512 output columns; the first
+  computes ``S = Q K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), masks
+  the invalid columns to ``-inf``, runs the online softmax in base 2 and hands
+  ``P`` to the second through SMEM; both multiply ``P`` by their half of ``V``
+  (the first 512 columns of the same rows) (:func:`jax_mla._mosaic.consume_stages`).
 
 The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad each
 set's ``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
@@ -416,8 +417,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
-  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats = smem
-  q_bar, kv_bar, free_bar, done_bar = barriers
+  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats, p_stats = smem
+  q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   t = lax.axis_index("t")
   h0 = lax.axis_index("h") * BLOCK_H
   wg = lax.axis_index("wg")
@@ -445,8 +446,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
     acc, m, l = _mosaic.consume_stages(
         plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-        k_rope=kv_rope, steps=steps, barriers=(q_bar, kv_bar, free_bar, done_bar), mask=mask,
-        scale=scale)
+        k_rope=kv_rope, steps=steps, barriers=(q_bar, kv_bar, free_bar, done_bar),
+        shared=(p_stats, p_ready), mask=mask, scale=scale)
 
     # Both consumers are done with Q: its halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)
@@ -563,6 +564,7 @@ def _attend(q, sets, attn_sink, *, fmts, sm_scale, config):
 
   swizzled = _swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
+  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages)
   smem = (
       plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=swizzled),
@@ -571,6 +573,7 @@ def _attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       plgpu.SMEM((config.num_stages, BLOCK_K), jnp.int32),
       plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
+      shared_smem,
   )
   q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
   barriers = (
@@ -578,6 +581,7 @@ def _attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),  # stage gathered (producer)
       plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),  # stage free: both consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      shared_barrier,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
                              gathers=tuple(gathers), scale=sm_scale * LOG2E)
