@@ -26,6 +26,7 @@ from jax_mla.cache import (
   quantize_fp8_v41,
 )
 from jax_mla.cache.ds_mla import DS_MLA
+from jax_mla.cache.formats import resolve
 from jax_mla.cache.model1 import MODEL1
 from jax_mla.cache.v41_fp4 import V41_FP4
 from jax_mla.cache.v41_fp8 import V41_FP8
@@ -444,20 +445,14 @@ def test_decode_validation(monkeypatch):
   with pytest.raises(ValueError, match="q.shape"):
     sparse_mla_decode(jnp.zeros((1, 1, 64, 576), jnp.bfloat16), fp8, idx,
                       kv_cache_dtype="fp8_v41")
-  # The Mosaic GPU kernel does not read the V4.1 formats: asked for, it says so; None
-  # (which picks it on Hopper) falls back to Triton (its check fails).
-  with pytest.raises(ValueError, match="does not read 'fp8_v41'"):
-    sparse_mla_decode(q, fp8, idx, kv_cache_dtype="fp8_v41", extra_kv_cache_dtype="fp4_v41",
-                      implementation="mosaic", **extra)
-  for fmts in ((V41_FP8,), (V41_FP8, V41_FP4), (V41_FP4,)):
-    with pytest.raises(ValueError, match="does not read"):
-      mosaic.check_supported(q, fmts)
-  mosaic.check_supported(q, (DS_MLA,))
-  mosaic.check_supported(q, (MODEL1, MODEL1))
+  # The Mosaic GPU kernel reads every V4.1 format and pair; None picks it on Hopper
+  # (h_q a multiple of 64), not for other head counts.
+  for fmts in ((V41_FP8,), (V41_FP8, V41_FP4), (V41_FP4,), (DS_MLA,), (MODEL1, MODEL1)):
+    mosaic.check_supported(q, fmts)
   monkeypatch.setattr(_mosaic, "on_hopper", lambda: True)
-  assert sparse_api._implementation(q, None, False, (DS_MLA,)) == "mosaic"
-  assert sparse_api._implementation(q, None, False, (V41_FP8, V41_FP4)) != "mosaic"
-  assert sparse_api._implementation(q, None, False, (V41_FP4,)) != "mosaic"
+  for fmts in ((DS_MLA,), (V41_FP8, V41_FP4), (V41_FP4,)):
+    assert sparse_api._implementation(q, None, False, fmts) == "mosaic"
+    assert sparse_api._implementation(q[..., :16, :], None, False, fmts) != "mosaic"
 
 
 # ---------------------------------------------------------------------------
@@ -486,3 +481,30 @@ def test_gpu_decode_fp8_main_fp4_extra():
   out, lse = sparse_mla_decode(q, cache, idx, implementation="triton", **kw)
   assert rel_err(out, ref[0]) < 1e-2
   _check_lse(lse, ref[1])
+
+
+MOSAIC_CASES = [
+    # h_q 64 and 128; fp8 main alone, with an fp8 extra set, with an fp4 extra set; fp4 alone.
+    ("fp8_v41", None, 3, 2, 64, 70, 6, 64, True, True, None),
+    ("fp8_v41", "fp8_v41", 2, 2, 128, 200, 9, 64, True, True, (100, 11, 2)),
+    ("fp8_v41", "fp4_v41", 3, 2, 64, 70, 6, 64, True, True, (130, 40, 4)),
+    ("fp4_v41", None, 2, 1, 128, 33, 3, 16, False, True, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=["fp8", "fp8+fp8-h128", "fp8+fp4", "fp4-h128"])
+def test_gpu_mosaic_decode_matches_reference(case):
+  """The Mosaic GPU kernel (the default on Hopper) on V4.1 caches: invalid indices of every
+  kind, NaN in unused slots, lengths 0, sinks +-inf."""
+  q, cache, idx, kw = decode_inputs(9, case)
+  if not _mosaic.default_for(mosaic.check_supported, q,
+                             tuple(resolve(f, "kv_cache_dtype") for f in case[:2] if f)):
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  out, lse = sparse_mla_decode(q, cache, idx, implementation="mosaic", **kw)
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert rel_err(out, ref[0]) < 1e-2
+  _check_lse(lse, ref[1])
+  default = sparse_mla_decode(q, cache, idx, **kw)[0]
+  np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(out, np.float32))
