@@ -44,8 +44,24 @@ LN2 = 0.6931471805599453
 FP8_E4M3_MAX = 448.0
 
 
-def default_backend_is_gpu() -> bool:
-  return jax.default_backend() in ("gpu", "cuda", "rocm")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def op_platform(like=None) -> str:
+  """Where an op over the array ``like`` runs: the platform of a concrete jax.Array's
+  devices; under tracing (or with no array) the device set by ``jax.default_device``,
+  else JAX's default backend. torch CPU tensors on a GPU machine arrive as CPU arrays."""
+  if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer):
+    return next(iter(like.devices())).platform
+  device = jax.config.jax_default_device
+  if device is not None:
+    return device if isinstance(device, str) else device.platform
+  return jax.default_backend()
+
+
+def runs_on_gpu(like=None) -> bool:
+  """Whether an op over ``like`` runs on a GPU (see :func:`op_platform`)."""
+  return op_platform(like) in _GPU_PLATFORMS
 
 
 @functools.cache
@@ -61,15 +77,17 @@ def without_mosaic(implementation: Implementation) -> Implementation:
 
 
 def resolve_implementation(implementation: Implementation, interpret: bool = False, *,
-                           has_mosaic: bool = False) -> str:
+                           has_mosaic: bool = False, like=None) -> str:
   """Returns "triton", "mosaic" or "xla" for a user's ``implementation`` argument.
 
   ``has_mosaic``: the op has a Mosaic GPU kernel (otherwise "mosaic" is refused).
+  ``like``: the op's first array; ``None`` picks by where it lives (:func:`op_platform`).
   ``None`` never returns "mosaic"; such ops decide that themselves (``_mosaic.default_for``).
   """
   implementation = _ALIASES.get(implementation, implementation)
+  on_gpu = runs_on_gpu(like)
   if implementation is None:
-    return "triton" if (interpret or default_backend_is_gpu()) else "xla"
+    return "triton" if (interpret or on_gpu) else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError("implementation must be None, 'mosaic', 'triton' (or its old name "
                      f"'pallas') or 'xla'; got {implementation!r}")
@@ -79,10 +97,10 @@ def resolve_implementation(implementation: Implementation, interpret: bool = Fal
     if interpret:
       raise ValueError("the Mosaic GPU kernel has no interpreter; use implementation='triton' "
                        "with interpret=True")
-  if implementation != "xla" and not interpret and not default_backend_is_gpu():
+  if implementation != "xla" and not interpret and not on_gpu:
     raise ValueError(
-        f"implementation={implementation!r} needs a GPU backend (found "
-        f"{jax.default_backend()!r}); pass interpret=True to run the Triton kernel "
+        f"implementation={implementation!r} needs a GPU (the op runs on "
+        f"{op_platform(like)!r}); pass interpret=True to run the Triton kernel "
         "in the Pallas interpreter, or implementation='xla' for the reference")
   return implementation
 

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_mla._common import runs_on_gpu
+
 
 def plgpu():
   """``jax.experimental.pallas.mosaic_gpu``, imported on use."""
@@ -53,9 +55,10 @@ def on_hopper() -> bool:
 
 
 def default_for(check, *args, **kwargs) -> bool:
-  """Whether ``implementation=None`` runs a Mosaic GPU kernel: :func:`on_hopper` and
-  ``check(*args, **kwargs)`` (the kernel's ``ValueError``-raising shape check) passes."""
-  if not on_hopper():
+  """Whether ``implementation=None`` runs a Mosaic GPU kernel: :func:`on_hopper`, the
+  first of ``args`` (the op's first array) lives on the GPU, and ``check(*args,
+  **kwargs)`` (the kernel's ``ValueError``-raising shape check) passes."""
+  if not on_hopper() or (args and not runs_on_gpu(args[0])):
     return False
   try:
     check(*args, **kwargs)

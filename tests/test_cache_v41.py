@@ -450,6 +450,7 @@ def test_decode_validation(monkeypatch):
   for fmts in ((V41_FP8,), (V41_FP8, V41_FP4), (V41_FP4,), (DS_MLA,), (MODEL1, MODEL1)):
     mosaic.check_supported(q, fmts)
   monkeypatch.setattr(_mosaic, "on_hopper", lambda: True)
+  monkeypatch.setattr(_mosaic, "runs_on_gpu", lambda like: True)  # q is a CPU array here
   for fmts in ((DS_MLA,), (V41_FP8, V41_FP4), (V41_FP4,)):
     assert sparse_api._implementation(q, None, False, fmts) == "mosaic"
     assert sparse_api._implementation(q[..., :16, :], None, False, fmts) != "mosaic"

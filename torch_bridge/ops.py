@@ -138,7 +138,11 @@ def torch_op(fn: Callable) -> Callable:
     fence_t = _interop.fence_tensor(first)
     fence = (_interop.import_cached(fence_t, device, None)[0] if stream is None
              else _interop.import_tensor(fence_t, device, stream))
-    return _export_tree(f(fence, *dyn), _interop.torch_stream_ptr(first))
+    # Ops trace under the tensors' device, so implementation=None picks by where the
+    # tensors live (torch CPU tensors on a GPU machine run the reference on the CPU).
+    with jax.default_device(device):
+      out = f(fence, *dyn)
+    return _export_tree(out, _interop.torch_stream_ptr(first))
 
   wrapper.__doc__ = (f"jax_mla's ``{fn.__name__}`` on torch tensors (torch_bridge.ops): tensors "
                      f"in and out, shared without a copy; other arguments static.\n\n"

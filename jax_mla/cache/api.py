@@ -120,7 +120,7 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
   fmt = resolve(kv_cache_dtype)
   slot_mapping = as_int32("slot_mapping", slot_mapping)
   _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt)
-  implementation = resolve_implementation(implementation, interpret)
+  implementation = resolve_implementation(implementation, interpret, like=kv_cache)
   config = check_config(config, triton.Config, implementation)
   if implementation == "triton" and triton.supports(fmt):
     config = config or triton.default_config()

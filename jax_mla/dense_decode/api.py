@@ -166,7 +166,7 @@ def mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
          f"kv_last_page_lens must lie in [1, page_size={page_size}]"))
   sm_scale = D_QK**-0.5 if sm_scale is None else float(sm_scale)
   config = backend_config(
-      resolve_implementation(implementation, interpret), config,
+      resolve_implementation(implementation, interpret, like=q), config,
       triton=_triton(num_kv_splits, rows_per_group=max_seqlen_q * h_q, num_groups=num_req,
                      avg_kv_len=kv_indices.shape[0] * page_size / num_req))
   return _mla_decode(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, q_scale,
@@ -250,7 +250,7 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
   sm_scale = D_QK**-0.5 if sm_scale is None else float(sm_scale)
   if implementation == "mosaic":
     mosaic.check_supported(q, kv_cache, causal=causal)
-  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=q)
   if implementation is None and impl == "triton" and not interpret and _mosaic.default_for(
       mosaic.check_supported, q, kv_cache, causal=causal):
     impl = "mosaic"
@@ -391,7 +391,7 @@ def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_l
   pages_per_seq = page_indices.shape[0] // num_seqs_max
   tokens_per_group = num_queries_per_block or max(1, 16 // n_heads)
   config = backend_config(
-      resolve_implementation(implementation, interpret), config,
+      resolve_implementation(implementation, interpret, like=ql_nope), config,
       triton=_triton(num_kv_splits, rows_per_group=tokens_per_group * n_heads,
                      num_groups=num_seqs_max + -(-num_tokens // tokens_per_group),
                      avg_kv_len=pages_per_seq * page_size))

@@ -114,7 +114,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k
       raise ValueError(f"{name} must be a static int >= 0; got {value!r}")
   if sm_scale is not None:
     check_static("sm_scale", sm_scale, (int, float))
-  impl = resolve_implementation(implementation, interpret)
+  impl = resolve_implementation(implementation, interpret, like=q)
   if impl == "triton":
     triton.split_head_dim(d_qk)
     d_v = v.shape[2]

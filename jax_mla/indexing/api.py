@@ -17,9 +17,10 @@ from jax_mla.indexing import reference as _ref
 from jax_mla.indexing import triton as _triton
 
 
-def _kernel_config(config, implementation, interpret):
-  """``None`` for the reference, else the Triton kernels' config."""
-  impl = c.resolve_implementation(implementation, interpret)
+def _kernel_config(config, implementation, interpret, like):
+  """``None`` for the reference, else the Triton kernels' config (``like``: the op's
+  first array, which decides where ``implementation=None`` runs)."""
+  impl = c.resolve_implementation(implementation, interpret, like=like)
   return c.backend_config(impl, config,
                           triton=(_triton.Config, lambda cfg: cfg or _triton.Config()))
 
@@ -60,7 +61,7 @@ def convert_req_index_to_global_index(req_id: jax.Array, block_table: jax.Array,
     raise ValueError(f"block_size must be >= 1; got {block_size}")
   if token_indices.size == 0:
     return jnp.full(token_indices.shape, -1, jnp.int32)
-  config = _kernel_config(config, implementation, interpret)
+  config = _kernel_config(config, implementation, interpret, req_id)
   return _convert(req_id, block_table, token_indices, block_size=block_size, config=config,
                   interpret=interpret)
 
@@ -110,7 +111,7 @@ def expand_page_indices(block_table: jax.Array, seq_lens: jax.Array, *, kernel_b
   if block_table.shape[0] == 0 or capacity == 0:
     config = None  # nothing to expand
   else:
-    config = _kernel_config(config, implementation, interpret)
+    config = _kernel_config(config, implementation, interpret, block_table)
   return _expand(block_table, seq_lens, kernel_block_size=kernel_block_size, capacity=capacity,
                  config=config, interpret=interpret)
 

@@ -142,7 +142,7 @@ def paged_attention(
     ``[T, Hq, D]`` in the query dtype, or ``float8_e4m3fn`` with ``out_scale``.
     A sequence with no valid key (``seq_len == 0``) gives 0.
   """
-  impl = resolve_implementation(implementation, interpret)
+  impl = resolve_implementation(implementation, interpret, like=query)
   check_rank("query", query, 3)
   check_dtype("query", query, _QUERY_DTYPES)
   check_rank("key_cache", key_cache, (4, 5))

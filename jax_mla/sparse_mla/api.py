@@ -99,7 +99,7 @@ def _implementation(q, implementation: Implementation, interpret: bool,
   formats (``fmts``) it takes."""
   if implementation == "mosaic":
     mosaic.check_supported(q, fmts)
-  impl = resolve_implementation(implementation, interpret, has_mosaic=True)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=q)
   if implementation is None and not interpret and _mosaic.default_for(
       mosaic.check_supported, q, fmts):
     return "mosaic"
