@@ -219,12 +219,37 @@ def test_cache_ops_match_jax():
   kv_cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
   kv_c, k_pe = _bf16(r.normal(size=(3, 512))), _bf16(r.normal(size=(3, 64)))
   slots = _i32([5, -1, 0])
-  new = ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots, **XLA)
   ref = jcache.concat_and_cache_mla(to_jax(kv_c), to_jax(k_pe), to_jax(kv_cache), to_jax(slots),
                                     implementation="xla")
-  _assert_same(new, ref)
-  assert new.data_ptr() != kv_cache.data_ptr()  # a new cache: JAX cannot write into torch's
-  assert torch.equal(new[1, 1, :512], kv_c[0]) and not kv_cache.any()
+  ptr = kv_cache.data_ptr()
+  new = ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots)
+  assert new is kv_cache and kv_cache.data_ptr() == ptr  # written in place
+  _assert_same(kv_cache, ref)
+  assert torch.equal(kv_cache[1, 1, :512], kv_c[0])
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "fp8_ds_mla", "fp8_model1", "fp8_v41", "fp4_v41"])
+@pytest.mark.parametrize("slots", [[5, -1, 0, 7, 40], [-1, -3, 99]], ids=["some", "none"])
+def test_concat_and_cache_in_place(fmt, slots):
+  """Byte-exact with jax_mla's writer in every format, vLLM's positional form with int64
+  slots, skipped slots (slot < 0 or past the cache), no valid slot; untouched slots keep
+  their bytes and the cache its memory."""
+  r = _rng(11)
+  widths = (448, 64) if fmt in ("fp8_model1", "fp8_v41", "fp4_v41") else (512, 64)
+  shape = jcache.kv_cache_shape(3, 4, sum(widths), fmt)
+  dtype = torch.bfloat16 if fmt == "auto" else torch.uint8
+  before = torch.from_numpy(r.integers(0, 120, shape).astype(np.uint8))
+  kv_cache = before.to(dtype) if fmt == "auto" else before.clone()
+  kv_c, k_pe = (_bf16(r.normal(size=(len(slots), w))) for w in widths)
+  scale = torch.tensor(0.5)
+  ref = jcache.concat_and_cache_mla(to_jax(kv_c), to_jax(k_pe), to_jax(kv_cache.clone()),
+                                    jnp.asarray(slots, jnp.int32), kv_cache_dtype=fmt,
+                                    scale=0.5, implementation="xla")
+  ptr = kv_cache.data_ptr()
+  ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, torch.tensor(slots, dtype=torch.int64), fmt,
+                           scale)
+  assert kv_cache.data_ptr() == ptr
+  _assert_same(kv_cache, ref)
 
 
 def test_decode_ops_match_jax():

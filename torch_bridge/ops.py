@@ -12,8 +12,8 @@ it lives) and of the results. A list, tuple or numpy array where the op takes an
 array is refused with a TypeError naming the argument (convert it first, e.g.
 ``torch.tensor(x, dtype=torch.int32)``).
 
-Ops that return an updated cache (``concat_and_cache_mla``) return a new tensor:
-JAX cannot write into memory it borrowed from torch.
+``concat_and_cache_mla`` writes into the torch cache's own memory, in place (also in
+vLLM's positional form): JAX encodes only the new tokens, torch stores them.
 
 FlashMLA drop-ins (``deepseek-ai/FlashMLA`` ``flash_mla_interface``):
 ``get_mla_metadata``, ``flash_mla_with_kvcache``, ``flash_mla_sparse_fwd``,
@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from jax_mla import cache, dense_decode, dense_prefill, indexing, merge, paged, sparse_mla
+from jax_mla.cache import api as cache_api
+from jax_mla.cache.formats import resolve
 from torch_bridge import _interop
 
 _DYNAMIC = object()  # marks a tensor position in a call's static signature
@@ -160,7 +162,44 @@ req_id_per_token = torch_op(indexing.req_id_per_token)
 filter_prefill_indices = torch_op(indexing.filter_prefill_indices)
 merge_attn_states = torch_op(merge.merge_attn_states)
 lse2_to_lse = torch_op(merge.lse2_to_lse)
-concat_and_cache_mla = torch_op(cache.concat_and_cache_mla)
+_token_writes = torch_op(cache_api.token_writes)
+
+
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                         scale=None) -> torch.Tensor:
+  """Writes each token's latent ``[kv_c | k_pe]`` into ``kv_cache``'s own memory, in
+  place, and returns ``kv_cache``: vLLM's ``concat_and_cache_mla``, also in its
+  positional form ``(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)``.
+
+  JAX encodes only the new tokens (:func:`jax_mla.cache.api.token_writes`: the same
+  bytes as jax_mla's writer); torch stores them with ``index_put_`` on views of the
+  cache, so the cache is never copied and no call waits for the GPU. ``slot_mapping``
+  int32 or int64 (vLLM's; a slot < 0 skips its token); ``scale`` the ``"fp8"``
+  format's scale (a tensor or a float; the other formats ignore it).
+
+  The arguments otherwise as in jax_mla's op, below.
+  """
+  _check_tensors(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+  if slot_mapping.dtype == torch.int64:
+    slot_mapping = slot_mapping.to(torch.int32)
+  block, position, rows = _token_writes(kv_c, k_pe, kv_cache, slot_mapping,
+                                        kv_cache_dtype=kv_cache_dtype, scale=scale)
+  num_blocks, block_size, width = kv_cache.shape
+  # index_put_ has no fp8 kernels: one-byte caches are written as bytes.
+  flat = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+  target = (block.long(), position.long())
+  regions = resolve(kv_cache_dtype).token_regions(block_size, width)
+  for (offset, length), r in zip(regions, rows, strict=True):
+    view = flat.as_strided((num_blocks, block_size, length), (block_size * width, length, 1),
+                           flat.storage_offset() + offset)
+    view.index_put_(target, r.view(flat.dtype))
+  return kv_cache
+
+
+concat_and_cache_mla.__signature__ = inspect.signature(concat_and_cache_mla)  # before __wrapped__
+concat_and_cache_mla.jax_op = concat_and_cache_mla.__wrapped__ = cache.concat_and_cache_mla
+concat_and_cache_mla.__doc__ += "\n" + cache.concat_and_cache_mla.__doc__
 quantize_fp8_ds_mla = torch_op(cache.quantize_fp8_ds_mla)
 dequantize_fp8_ds_mla = torch_op(cache.dequantize_fp8_ds_mla)
 quantize_fp8_model1 = torch_op(cache.quantize_fp8_model1)

@@ -7,6 +7,8 @@ quantizes and writes in one kernel, in place through ``input_output_aliases``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,6 +45,43 @@ _STATIC = ("fmt", "config", "interpret")
 _concat_and_cache = jax.jit(_write, static_argnames=_STATIC)
 # The caller asked to give its buffer up: the write is in place even outside a jit.
 _concat_and_cache_donated = jax.jit(_write, static_argnames=_STATIC, donate_argnums=(2,))
+
+
+def token_writes(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
+                 slot_mapping: jax.Array, *, kv_cache_dtype: str = "auto", scale=None):
+  """What :func:`concat_and_cache_mla` writes, for a caller that writes it itself into
+  memory JAX does not own (the torch bridge's in-place write): only the new tokens'
+  bytes, never the cache.
+
+  Same arguments as :func:`concat_and_cache_mla`. Returns ``(block[S], position[S],
+  rows)`` (int32; ``S = len(slot_mapping)``): token ``t``'s bytes go to block
+  ``block[t]``, in-block position ``position[t]``, ``rows[r][t]`` at region ``r`` of
+  the format (``Format.token_regions``). A skipped token (slot < 0 or past the cache) repeats
+  the first written token's target and bytes, or, when no token is written, rewrites
+  slot 0's current bytes: every target may be written without a host-side filter.
+  """
+  fmt = resolve(kv_cache_dtype)
+  slot_mapping = as_int32("slot_mapping", slot_mapping)
+  _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt)
+  return _token_writes(kv_c, k_pe, kv_cache, slot_mapping, fmt.scale_arg(scale), fmt=fmt)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _token_writes(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format):
+  num_blocks, block_size, width = kv_cache.shape
+  n = slot_mapping.shape[0]
+  x = jnp.concatenate([kv_c[:n], k_pe[:n].astype(kv_c.dtype)], axis=-1)
+  ok = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
+  first = jnp.argmax(ok)
+  any_ok = jnp.any(ok)
+  target = jnp.where(ok, slot_mapping, jnp.where(any_ok, slot_mapping[first], 0))
+  blocks = kv_cache.reshape(num_blocks, block_size * width)
+  rows = []
+  for (offset, length), r in zip(fmt.token_regions(block_size, width),
+                                 fmt.encode_regions(x, scale, kv_cache.dtype), strict=True):
+    fill = jnp.where(any_ok, r[first], blocks[0, offset:offset + length])
+    rows.append(jnp.where(ok[:, None], r, fill[None]))
+  return target // block_size, target % block_size, tuple(rows)
 
 
 def _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt: Format) -> None:

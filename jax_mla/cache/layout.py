@@ -136,6 +136,17 @@ class Format:
     """Latents ``[..., head_size]`` -> token rows of array dtype ``dtype``."""
     raise NotImplementedError
 
+  def token_regions(self, block_size: int, width: int) -> tuple[tuple[int, int], ...]:
+    """Where a token's bytes live in its block, as ``(offset, length)`` per region in
+    cache elements: token ``j`` of a block has region ``r`` at ``offset_r + j *
+    length_r``. One region, the whole ``width``-wide row, unless a format splits it."""
+    del block_size
+    return ((0, width),)
+
+  def encode_regions(self, x: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array, ...]:
+    """Latents -> one ``[..., length]`` array per region of :meth:`token_regions`."""
+    return (self.encode_rows(x, scale, dtype),)
+
 
 @dataclasses.dataclass(frozen=True)
 class TileScaled(Format):

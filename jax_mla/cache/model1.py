@@ -157,6 +157,14 @@ class Model1(Format):
     data_cols, scale_cols = self._columns(bs, (s % bs)[..., None])
     return self.decode(blocks[block, data_cols], blocks[block, scale_cols])
 
+  def token_regions(self, block_size, width):
+    del width
+    return ((0, self.data_bytes), (self.scale_region(block_size), self.scale_bytes))
+
+  def encode_regions(self, x, scale, dtype):
+    del scale, dtype
+    return self.encode(x)
+
   def write(self, kv_cache, x, slot_mapping, scale):
     del scale
     nb, bs, width = kv_cache.shape
