@@ -46,18 +46,16 @@ FP8_E4M3_MAX = 448.0
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
-try:  # the public alias of jax's tracer class (present in jax 0.10 and 0.11)
-  from jax.core import Tracer as _Tracer
-except ImportError:  # pragma: no cover - depends on the installed jax
-  from jax._src.core import Tracer as _Tracer
-
 
 def op_platform(like=None) -> str:
   """Where an op over the array ``like`` runs: the platform of a concrete jax.Array's
   devices; under tracing (or with no array) the device set by ``jax.default_device``,
   else JAX's default backend. torch CPU tensors on a GPU machine arrive as CPU arrays."""
-  if isinstance(like, jax.Array) and not isinstance(like, _Tracer):
-    return next(iter(like.devices())).platform
+  if isinstance(like, jax.Array):
+    try:
+      return next(iter(like.devices())).platform
+    except jax.errors.ConcretizationTypeError:
+      pass  # a tracer (jit, grad, vmap) has no devices: the rules below
   device = jax.config.jax_default_device
   if device is not None:
     return device if isinstance(device, str) else device.platform

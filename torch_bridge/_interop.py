@@ -3,7 +3,7 @@
 Ordering on CUDA follows the DLPack stream protocol:
 
 * torch -> JAX: JAX's "external ready events" stream is made to wait for torch's
-  current stream (one event per call), then each buffer is imported with that
+  current stream (one event, re-recorded by each call), then each buffer is imported with that
   stream, so PJRT records its definition event after the wait and every JAX
   kernel reading it runs after the torch kernels that wrote it.
 * JAX -> torch: each buffer is exported with torch's current stream; PJRT makes
@@ -65,7 +65,10 @@ _CUDA_LEGACY_DEFAULT_STREAM = 1  # DLPack's value for CUDA's legacy default stre
 
 _lock = threading.Lock()
 _jax_devices: dict[tuple[str, int], jax.Device] = {}
-_ext_streams: dict[int, tuple[int, torch.cuda.ExternalStream]] = {}
+# Per GPU: JAX's ready-event stream (its pointer, a torch handle of it, and one event
+# re-recorded by every fence: a wait captures the event's latest record when it is
+# queued, so one event serves every call and none is created per call).
+_ext_streams: dict[int, tuple[int, torch.cuda.ExternalStream, torch.cuda.Event]] = {}
 
 
 def _supported() -> str:
@@ -125,52 +128,62 @@ def jax_device(t: torch.Tensor) -> jax.Device:
   return d
 
 
-def _jax_ready_stream(device: jax.Device) -> tuple[int, torch.cuda.ExternalStream]:
-  """JAX's stream for external ready events on ``device`` (and a torch handle of it)."""
+def _jax_ready_stream(device: jax.Device
+                     ) -> tuple[int, torch.cuda.ExternalStream, torch.cuda.Event]:
+  """JAX's stream for external ready events on ``device``, a torch handle of it, and
+  the event its fences wait on."""
   hw = device.local_hardware_id
   s = _ext_streams.get(hw)
   if s is None:
     ptr = device.get_stream_for_external_ready_events()
-    s = _ext_streams[hw] = (ptr, torch.cuda.ExternalStream(ptr, device=f"cuda:{hw}"))
+    s = _ext_streams[hw] = (ptr, torch.cuda.ExternalStream(ptr, device=f"cuda:{hw}"),
+                            torch.cuda.Event())
   return s
 
 
-_fences: dict[torch.device, torch.Tensor] = {}
+_fences: dict[torch.device, tuple[torch.Tensor, jax.Array]] = {}
 
 
-def fence_tensor(t: torch.Tensor) -> torch.Tensor:
-  """A one-element tensor on ``t``'s device, imported once per call as an ordering token."""
+def fence_tensor(t: torch.Tensor, device: jax.Device) -> tuple[torch.Tensor, jax.Array]:
+  """A one-element ordering token on ``t``'s device: the tensor, and its view imported
+  once without a stream (what a call passes when it has nothing to wait for)."""
   f = _fences.get(t.device)
   if f is None:
-    f = _fences[t.device] = torch.zeros(1, dtype=torch.int32, device=t.device)
+    token = torch.zeros(1, dtype=torch.int32, device=t.device)
+    f = _fences[t.device] = (token, import_tensor(token, device, None))
   return f
+
+
+def torch_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
+  """torch's current stream on ``t``'s device (None on CPU)."""
+  return torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
+
+
+def stream_ptr(stream: torch.cuda.Stream | None) -> int | None:
+  """A torch stream as a DLPack stream value (None for None: CPU)."""
+  if stream is None:
+    return None
+  return stream.cuda_stream or _CUDA_LEGACY_DEFAULT_STREAM
 
 
 def torch_stream_ptr(t: torch.Tensor) -> int | None:
   """torch's current stream on ``t``'s device as a DLPack stream value (None on CPU)."""
-  if t.device.type != "cuda":
-    return None
-  ptr = torch.cuda.current_stream(t.device).cuda_stream
-  return ptr or _CUDA_LEGACY_DEFAULT_STREAM
+  return stream_ptr(torch_stream(t))
 
 
-def torch_stream_busy(t: torch.Tensor) -> bool:
-  """Whether torch's current stream on ``t``'s device has work not yet finished."""
-  return t.device.type == "cuda" and not torch.cuda.current_stream(t.device).query()
+def fence_torch_to_jax(stream: torch.cuda.Stream | None, device: jax.Device) -> int | None:
+  """Makes JAX's ready-event stream wait for the torch ``stream``; returns that stream.
 
-
-def fence_torch_to_jax(t: torch.Tensor, device: jax.Device) -> int | None:
-  """Makes JAX's ready-event stream wait for torch's current stream; returns that stream.
-
-  Everything torch has queued so far (on its current stream) finishes before any
-  buffer imported with the returned stream is read by JAX.
+  Everything torch has queued so far on ``stream`` finishes before any buffer
+  imported with the returned stream is read by JAX. ``None`` (CPU) does nothing.
   """
-  if t.device.type != "cuda":
+  if stream is None:
     return None
-  ptr, ext = _jax_ready_stream(device)
-  cur = torch.cuda.current_stream(t.device)
-  if cur.cuda_stream != ptr:
-    ext.wait_stream(cur)
+  ptr, ext, event = _jax_ready_stream(device)
+  if stream.cuda_stream != ptr:
+    with _lock:  # another thread's record between these two would be waited for instead
+      event.record(stream)
+      ext.wait_event(event)
   return ptr
 
 
@@ -203,20 +216,25 @@ def _forget(key) -> None:
   _imports.pop(key, None)
 
 
-def import_cached(t: torch.Tensor, device: jax.Device, stream: int | None
+def import_cached(t: torch.Tensor, device: jax.Device, stream: int | None, name: str = "t"
                   ) -> tuple[jax.Array, bool]:
   """``import_tensor`` with reuse: returns (array, whether it was imported now).
 
   A new import is made with ``stream``; a cached one was ordered by the stream it
   was imported with, and later writes by torch are ordered by the caller's fence.
+  ``t`` is checked (:func:`check_tensor`, naming ``name``) when it is imported: a
+  cache hit has the storage, dtype, shape and strides of a tensor checked before.
   """
+  if t.layout != torch.strided:  # no strides to key on: check_tensor says what is wrong
+    check_tensor(name, t)
   owner = t if t._base is None else t._base
-  key = (id(owner), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+  key = (id(owner), t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_neg())
   with _lock:
     hit = _imports.get(key)
     if hit is not None:
       _imports.move_to_end(key)
       return hit[1], False
+  check_tensor(name, t)
   # Import an alias that holds only the storage: a capsule holding ``t`` itself
   # (or a view's base) would keep the owner's Python object alive through torch's
   # PyObject preservation, and the finalizer would never run.
@@ -284,7 +302,7 @@ def to_jax(t: torch.Tensor) -> jax.Array:
   """
   check_tensor("t", t)
   device = jax_device(t)
-  return import_tensor(t, device, fence_torch_to_jax(t, device))
+  return import_tensor(t, device, fence_torch_to_jax(torch_stream(t), device))
 
 
 def to_torch(a: jax.Array) -> torch.Tensor:

@@ -37,6 +37,7 @@ from jax_mla.cache.formats import resolve
 from torch_bridge import _interop
 
 _DYNAMIC = object()  # marks a tensor position in a call's static signature
+_TENSORS = (torch.Tensor, jax.Array)
 
 
 def _static(name: str, value):
@@ -61,90 +62,114 @@ def _export_tree(out, stream):
   return jax.tree_util.tree_map(lambda o: _interop.export_array(o, stream), out)
 
 
+def _array_device(a: jax.Array) -> jax.Device | None:
+  devices = a.devices()
+  return next(iter(devices)) if len(devices) == 1 else None
+
+
+class _Signature:
+  """One static signature of a torch op's calls: its validated static arguments, where
+  its tensors sit, and one ``jax.jit`` per device (built on first use)."""
+
+  def __init__(self, fn: Callable, params: tuple[str, ...], args: tuple, kwargs: dict):
+    self.fn = fn
+    self.spec = tuple(
+        _DYNAMIC if isinstance(a, _TENSORS)
+        else _static(params[i] if i < len(params) else f"args[{i}]", a)
+        for i, a in enumerate(args))
+    self.kw_spec = tuple((k, _DYNAMIC if isinstance(v, _TENSORS) else _static(k, v))
+                         for k, v in kwargs.items())
+    self.positions = tuple(i for i, s in enumerate(self.spec) if s is _DYNAMIC)
+    self.keywords = tuple(k for k, s in self.kw_spec if s is _DYNAMIC)
+    self.names = tuple(params[i] if i < len(params) else f"args[{i}]"
+                       for i in self.positions) + self.keywords
+    self.jits: dict = {}
+
+  def jit(self, device: jax.Device | None):
+    """The jitted op for tensors on ``device`` (``None``: JAX's default placement)."""
+    f = self.jits.get(device)
+    if f is None:
+      f = self.jits[device] = self._build(device)
+    return f
+
+  def _build(self, device):
+    fn, spec, kw_spec = self.fn, self.spec, self.kw_spec
+
+    def call(fence, *dyn):
+      del fence  # only its definition event matters (see torch_op)
+      it = iter(dyn)
+      args = [next(it) if s is _DYNAMIC else s for s in spec]
+      kwargs = {k: (next(it) if v is _DYNAMIC else v) for k, v in kw_spec}
+      if device is None:
+        return fn(*args, **kwargs)
+      # Traced under the tensors' device, so implementation=None picks by where they
+      # live (torch CPU tensors on a GPU machine run the reference on the CPU). Only
+      # the trace pays for this: each device has its own jit.
+      with jax.default_device(device):
+        return fn(*args, **kwargs)
+    # keep_unused: the fence must reach the executable, which waits for it.
+    return jax.jit(call, keep_unused=True)
+
+
 def torch_op(fn: Callable) -> Callable:
   """Wraps a jax_mla op so that it takes and returns torch tensors.
 
   The wrapper has the op's signature and documentation. Tensor arguments (torch
   tensors, or jax.Arrays passed through) are dynamic;
   every other argument is static and compiled in. One ``jax.jit`` of ``fn`` is
-  kept per static signature; jit caches its executable per shape and dtype.
+  kept per static signature and device; jit caches its executable per shape and dtype.
   On CUDA, the executable waits for torch's current stream when that stream has
   unfinished work, and torch's current stream waits (on the GPU) for the results.
   A tensor seen in an earlier call reuses its imported view while it lives.
-  """
-  params = list(inspect.signature(fn).parameters)
-  jitted: dict = {}
 
-  def build(spec, kw_spec):
-    def call(fence, *dyn):
-      del fence  # only its definition event matters (see below)
-      it = iter(dyn)
-      args = [next(it) if s is _DYNAMIC else s for s in spec]
-      kwargs = {k: (next(it) if v is _DYNAMIC else v) for k, v in kw_spec}
-      return fn(*args, **kwargs)
-    # keep_unused: the fence must reach the executable, which waits for it.
-    return jax.jit(call, keep_unused=True)
+  A repeated call does no per-argument validation beyond one dictionary lookup of its
+  static signature and, per tensor, the device check and the import-cache lookup.
+  """
+  params = tuple(inspect.signature(fn).parameters)
+  signatures: dict = {}
 
   @functools.wraps(fn, updated=())  # not fn.__dict__ (its `sharding` is for jax arrays)
   def wrapper(*args, **kwargs):
-    tensors, names = [], []
-    spec = []
-    for i, a in enumerate(args):
-      name = params[i] if i < len(params) else f"args[{i}]"
-      if isinstance(a, (torch.Tensor, jax.Array)):
-        tensors.append(a)
-        names.append(name)
-        spec.append(_DYNAMIC)
-      else:
-        spec.append(_static(name, a))
-    kw_spec = []
-    for k, v in kwargs.items():
-      if isinstance(v, (torch.Tensor, jax.Array)):
-        tensors.append(v)
-        names.append(k)
-        kw_spec.append((k, _DYNAMIC))
-      else:
-        kw_spec.append((k, _static(k, v)))
-    key = (tuple(spec), tuple(kw_spec))
-    f = jitted.get(key)
-    if f is None:
-      f = jitted[key] = build(*key)
+    key = (tuple([_DYNAMIC if isinstance(a, _TENSORS) else a for a in args]),
+           tuple([(k, _DYNAMIC if isinstance(v, _TENSORS) else v) for k, v in kwargs.items()]))
+    try:
+      sig = signatures.get(key)
+    except TypeError:  # an unhashable static argument: _Signature names it
+      sig = None
+    if sig is None:
+      sig = signatures[key] = _Signature(fn, params, args, kwargs)
+    tensors = [args[i] for i in sig.positions] + [kwargs[k] for k in sig.keywords]
 
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None:  # jax.Arrays only: a plain call, results to torch.
-      out = f(None, *tensors)
+      out = sig.jit(_array_device(tensors[0]) if tensors else None)(None, *tensors)
       leaf = jax.tree_util.tree_leaves(out)
       return _export_tree(out, _interop.array_stream(leaf[0]) if leaf else None)
     device = _interop.jax_device(first)
     torch_device = first.device
-    for name, t in zip(names, tensors, strict=True):
-      if isinstance(t, torch.Tensor):
-        _interop.check_tensor(name, t)
-        if t.device != torch_device:
-          raise ValueError(f"{name} is on {t.device} but {names[tensors.index(first)]} is on "
-                           f"{torch_device}; all tensors of one call must share a device")
+    stream = _interop.torch_stream(first)
     # JAX must not read before torch's queued work ends. If torch's stream is idle
     # there is nothing to wait for; otherwise JAX's ready-event stream waits for it
     # and one buffer of the call (the first newly imported tensor, else a fence
     # tensor) is imported on that stream, so the executable waits for its
     # definition event. Tensors seen before reuse their imported view.
-    stream = (_interop.fence_torch_to_jax(first, device)
-              if _interop.torch_stream_busy(first) else None)
+    ready = (_interop.fence_torch_to_jax(stream, device)
+             if stream is not None and not stream.query() else None)
     dyn = []
-    for t in tensors:
+    for name, t in zip(sig.names, tensors, strict=True):
       if isinstance(t, torch.Tensor):
-        t, imported = _interop.import_cached(t, device, stream)
+        if t.device != torch_device:
+          raise ValueError(f"{name} is on {t.device} but {sig.names[tensors.index(first)]} is "
+                           f"on {torch_device}; all tensors of one call must share a device")
+        t, imported = _interop.import_cached(t, device, ready, name)
         if imported:
-          stream = None
+          ready = None
       dyn.append(t)
-    fence_t = _interop.fence_tensor(first)
-    fence = (_interop.import_cached(fence_t, device, None)[0] if stream is None
-             else _interop.import_tensor(fence_t, device, stream))
-    # Ops trace under the tensors' device, so implementation=None picks by where the
-    # tensors live (torch CPU tensors on a GPU machine run the reference on the CPU).
-    with jax.default_device(device):
-      out = f(fence, *dyn)
-    return _export_tree(out, _interop.torch_stream_ptr(first))
+    fence_t, fence = _interop.fence_tensor(first, device)
+    if ready is not None:
+      fence = _interop.import_tensor(fence_t, device, ready)
+    out = sig.jit(device)(fence, *dyn)
+    return _export_tree(out, _interop.stream_ptr(stream))
 
   wrapper.__doc__ = (f"jax_mla's ``{fn.__name__}`` on torch tensors (torch_bridge.ops): tensors "
                      f"in and out, shared without a copy; other arguments static.\n\n"
