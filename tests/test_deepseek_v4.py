@@ -22,10 +22,19 @@ from jax_mla.backends import deepseek_v4 as v4
 from jax_mla.backends import deepseek_v4_indices as idx
 from jax_mla.cache import (
   concat_and_cache_mla,
+  dequantize_fp4_v41,
   dequantize_fp8_model1,
+  dequantize_fp8_v41,
   kv_cache_shape,
+  quantize_fp4_v41,
   quantize_fp8_model1,
+  quantize_fp8_v41,
 )
+
+# Per-token codec of each layer cache format: what the cache gives back for a latent.
+CODECS = {"fp8_model1": (quantize_fp8_model1, dequantize_fp8_model1),
+          "fp8_v41": (quantize_fp8_v41, dequantize_fp8_v41),
+          "fp4_v41": (quantize_fp4_v41, dequantize_fp4_v41)}
 
 # ---------------------------------------------------------------------------
 # Index helpers against per-token numpy loops
@@ -48,7 +57,7 @@ def _block_table(rng, lens, block_size, extra_cols=1, first_pos=None, num_blocks
   return bt, num_blocks
 
 
-def _write(cache, rows, slots, pad_to=256):
+def _write(cache, rows, slots, pad_to=256, fmt="fp8_model1"):
   """concat_and_cache_mla with inputs padded to a fixed row count (one compile)."""
   n = len(slots)
   x = np.zeros((-(-max(n, 1) // pad_to) * pad_to, 512), np.float32)
@@ -57,17 +66,17 @@ def _write(cache, rows, slots, pad_to=256):
   sl = np.full((len(x),), -1, np.int32)
   sl[:n] = slots
   return concat_and_cache_mla(jnp.asarray(x, jnp.bfloat16), jnp.zeros((len(x), 0), jnp.bfloat16),
-                              cache, jnp.asarray(sl), kv_cache_dtype="fp8_model1",
+                              cache, jnp.asarray(sl), kv_cache_dtype=fmt,
                               implementation="xla")
 
 
-def _quant_round_trip(x, pad_to=512):
+def _quant_round_trip(x, pad_to=512, fmt="fp8_model1"):
   """What the cache gives back for latents ``x[n, 512]`` (rows padded: one compile)."""
   n = len(x)
   xp = np.zeros((-(-max(n, 1) // pad_to) * pad_to, 512), np.float32)
   xp[:n] = x
-  b = quantize_fp8_model1(jnp.asarray(xp, jnp.bfloat16))
-  return np.asarray(dequantize_fp8_model1(b), np.float64)[:n]
+  quantize, dequantize = CODECS[fmt]
+  return np.asarray(dequantize(quantize(jnp.asarray(xp, jnp.bfloat16))), np.float64)[:n]
 
 
 def _slot(bt, r, i, bs):
@@ -251,10 +260,11 @@ def _make_case(seed, cfg, reqs, *, num_pad=1, decode_threshold=1, with_sink=True
   # wholly before it are freed (the null block).
   first = [max(0, a - w + 1) for a in ctx]
   swa_bt, nb = _block_table(rng, seq_lens, sbs, first_pos=first, num_blocks=48)
-  swa_cache = jnp.full(kv_cache_shape(nb, sbs, 512, "fp8_model1"), 0xFF, jnp.uint8)
+  fmt, cfmt = cfg.kv_cache_dtype, cfg.compressed_cache_dtype
+  swa_cache = jnp.full(kv_cache_shape(nb, sbs, 512, fmt), 0xFF, jnp.uint8)  # NaN where unwritten
   pre = [(r, p) for r in range(len(reqs)) for p in range(first[r], ctx[r])]
   swa_cache = _write(swa_cache, [raw[r][p] for r, p in pre],
-                     [_slot(swa_bt, r, p, sbs) for r, p in pre])
+                     [_slot(swa_bt, r, p, sbs) for r, p in pre], fmt=fmt)
   kv = np.zeros((num_tokens, 512), np.float32)
   slot_mapping = np.full((num_tokens,), -1, np.int32)
   t2r = np.repeat(np.arange(len(reqs)), qlens)
@@ -270,10 +280,10 @@ def _make_case(seed, cfg, reqs, *, num_pad=1, decode_threshold=1, with_sink=True
   if ratio > 1:
     cbs = cfg.compressed_block_size
     cblock_table, cnb = _block_table(rng, ncomp, cbs, num_blocks=24)
-    comp = jnp.full(kv_cache_shape(cnb, cbs, 512, "fp8_model1"), 0xFF, jnp.uint8)
+    comp = jnp.full(kv_cache_shape(cnb, cbs, 512, cfmt), 0xFF, jnp.uint8)
     ent = [(r, i) for r in range(len(reqs)) for i in range(ncomp[r])]
     comp = _write(comp, [comp_raw[r][i] for r, i in ent],
-                  [_slot(cblock_table, r, i, cbs) for r, i in ent])
+                  [_slot(cblock_table, r, i, cbs) for r, i in ent], fmt=cfmt)
   picks = [[] for _ in range(num_tokens)]
   if ratio == 4:
     k = cfg.index_topk
@@ -296,8 +306,8 @@ def _make_case(seed, cfg, reqs, *, num_pad=1, decode_threshold=1, with_sink=True
 
   # Dense reference: exactly the attended set, one softmax with the sink.
   qb = np.asarray(jnp.asarray(q, jnp.bfloat16), np.float64)
-  deq = [_quant_round_trip(x) for x in raw]
-  cdeq = [_quant_round_trip(x) for x in comp_raw]
+  deq = [_quant_round_trip(x, fmt=fmt) for x in raw]
+  cdeq = [_quant_round_trip(x, fmt=cfmt) for x in comp_raw]
   ref = np.zeros((num_tokens, h, 512))
   for t, r in enumerate(t2r):
     keys = [deq[r][p] for p in range(max(0, pos[t] - w + 1), pos[t] + 1)]
@@ -356,6 +366,50 @@ def test_layer_matches_dense_reference_xla(name):
   np.testing.assert_array_equal(out[-1], 0)  # the padding token
   # two prefill chunks; the second one's rows sit in a window clamped to the end
   assert md.prefill_chunk_capacity < md.num_prefill_tokens
+
+
+# DeepSeek V4.1 caches: both in one format, or an fp8 window with an fp4 compressed cache.
+V41_FORMATS = {"fp8_v41": dict(kv_cache_dtype="fp8_v41"),
+               "fp4_v41": dict(kv_cache_dtype="fp4_v41"),
+               "fp8_v41+fp4_v41": dict(kv_cache_dtype="fp8_v41",
+                                       compressed_kv_cache_dtype="fp4_v41")}
+
+
+@pytest.mark.cpu_only  # on a GPU: test_layer_v41_mosaic_gpu
+@pytest.mark.parametrize("formats", list(V41_FORMATS))
+@pytest.mark.parametrize("name", ["ratio4_w8", "ratio128_w16"])
+def test_layer_v41_caches_match_dense_reference_xla(name, formats):
+  over, reqs = LAYER_CASES[name]
+  cfg = v4.DeepseekV4Config(num_heads=3, swa_block_size=8, prefill_chunk_size=2, **over,
+                            **V41_FORMATS[formats])
+  inputs, meta_args, counts, ref = _make_case(41 + list(LAYER_CASES).index(name), cfg, reqs)
+  out, _ = _run(cfg, inputs, meta_args, counts, implementation="xla")
+  assert np.isfinite(out).all()
+  assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+  np.testing.assert_array_equal(out[-1], 0)  # the padding token
+
+
+@pytest.mark.parametrize("formats", ["fp8_v41+fp4_v41", "fp4_v41"])
+def test_layer_v41_triton_interpret(formats, interpret):
+  cfg = v4.DeepseekV4Config(num_heads=2, swa_block_size=8, compress_ratio=4, window_size=8,
+                            index_topk=4, block_size=16, max_model_len=64,
+                            **V41_FORMATS[formats])
+  inputs, meta_args, counts, ref = _make_case(51, cfg, [(3, 1), (20, 1), (6, 5)])
+  out, _ = _run(cfg, inputs, meta_args, counts, implementation="triton", interpret=interpret)
+  assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", list(V41_FORMATS))
+def test_layer_v41_mosaic_gpu(formats):
+  over, reqs = LAYER_CASES["ratio4_w8"]
+  cfg = v4.DeepseekV4Config(num_heads=64, swa_block_size=8, prefill_chunk_size=2, **over,
+                            **V41_FORMATS[formats])
+  inputs, meta_args, counts, ref = _make_case(61, cfg, reqs)
+  out, _ = _run(cfg, inputs, meta_args, counts, implementation="mosaic")
+  assert np.isfinite(out).all()
+  assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+  np.testing.assert_array_equal(out[-1], 0)
 
 
 @pytest.mark.cpu_only
@@ -419,6 +473,18 @@ def test_config_and_input_validation():
     v4.DeepseekV4Config(num_heads=2, window_size=8, compress_ratio=8)
   with pytest.raises(ValueError, match="block_size"):
     v4.DeepseekV4Config(num_heads=2, window_size=8, compress_ratio=128, block_size=64)
+  with pytest.raises(ValueError, match="kv_cache_dtype"):
+    v4.DeepseekV4Config(num_heads=2, window_size=8, kv_cache_dtype="fp8_ds_mla")
+  # V4.1 pairs: fp4 compressed cache only behind an fp8_v41 window cache
+  with pytest.raises(ValueError, match="compressed_kv_cache_dtype.*'fp4_v41' with kv_cache_dtype="
+                                       "'fp8_v41'"):
+    v4.DeepseekV4Config(num_heads=2, window_size=8, compressed_kv_cache_dtype="fp4_v41")
+  with pytest.raises(ValueError, match="compressed_kv_cache_dtype"):
+    v4.DeepseekV4Config(num_heads=2, window_size=8, kv_cache_dtype="fp4_v41",
+                        compressed_kv_cache_dtype="fp8_v41")
+  fp4 = v4.DeepseekV4Config(num_heads=2, window_size=8, kv_cache_dtype="fp4_v41",
+                            compressed_kv_cache_dtype="fp4_v41")
+  assert fp4.compressed_cache_dtype == "fp4_v41"
   cfg = v4.DeepseekV4Config(num_heads=2, window_size=8, compress_ratio=4, index_topk=4,
                             block_size=16, max_model_len=64, swa_block_size=8)
   inputs, meta_args, counts, _ = _make_case(5, cfg, [(3, 1), (6, 5)])

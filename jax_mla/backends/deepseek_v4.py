@@ -1,7 +1,10 @@
 """DeepSeek V4 sparse attention backend (vLLM ``DeepseekV4...MLASparse``), functional JAX.
 
 A DeepSeek V4 attention layer keeps two caches in the ``fp8_model1`` format
-(512-wide latent: 448 NoPE fp8 + 64 RoPE bf16, UE8M0 scales):
+(512-wide latent: 448 NoPE fp8 + 64 RoPE bf16, UE8M0 scales); DeepSeek V4.1 keeps
+them in ``fp8_v41`` (528 bytes a token) or ``fp4_v41`` (288 bytes), or an ``fp8_v41``
+window cache with an ``fp4_v41`` compressed cache
+(``DeepseekV4Config.compressed_kv_cache_dtype``):
 
 * a sliding-window (SWA) cache of raw tokens, paged by absolute position;
 * for ``compress_ratio`` 4 or 128, a compressed cache of one entry per
@@ -40,9 +43,10 @@ from jax_mla.cache import concat_and_cache_mla
 from jax_mla.indexing import req_id_per_token
 from jax_mla.sharding import OpSharding, config_heads, set_config_heads
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla.api import EXTRA_FORMAT_PAIRS
 
 COMPRESS_RATIOS = (1, 4, 128)
-KV_CACHE_DTYPES = ("fp8_model1",)
+KV_CACHE_DTYPES = ("fp8_model1", "fp8_v41", "fp4_v41")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +64,12 @@ class DeepseekV4Config:
     block_size: tokens per block of the compressed layer's block table; the
       compressed cache holds ``block_size // compress_ratio`` entries per block.
     swa_block_size: tokens per SWA cache block.
-    kv_cache_dtype: cache format of both caches; ``"fp8_model1"`` only.
+    kv_cache_dtype: format of the SWA cache, and of the compressed cache unless
+      ``compressed_kv_cache_dtype`` says otherwise: ``"fp8_model1"`` (V4),
+      ``"fp8_v41"`` or ``"fp4_v41"`` (V4.1).
+    compressed_kv_cache_dtype: format of the compressed cache; ``None`` means
+      ``kv_cache_dtype``. The one other choice: ``"fp4_v41"`` with an ``"fp8_v41"``
+      SWA cache (FlashMLA's V4.1 pair).
     prefill_chunk_size: prefill requests per workspace chunk.
     scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
   """
@@ -76,12 +85,19 @@ class DeepseekV4Config:
   kv_cache_dtype: str = "fp8_model1"
   prefill_chunk_size: int = 4
   scale: float | None = None
+  compressed_kv_cache_dtype: str | None = None
 
   def __post_init__(self):
     c.check_one_of("compress_ratio", self.compress_ratio, COMPRESS_RATIOS)
     c.check_one_of("head_dim", self.head_dim, (512,))
     c.check_one_of("rope_head_dim", self.rope_head_dim, (64,))
     c.check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+    pair = (self.kv_cache_dtype, self.compressed_cache_dtype)
+    if pair[1] != pair[0] and pair not in EXTRA_FORMAT_PAIRS:
+      allowed = ", ".join(f"{b!r} with kv_cache_dtype={a!r}" for a, b in EXTRA_FORMAT_PAIRS)
+      raise ValueError(f"compressed_kv_cache_dtype must be None (= kv_cache_dtype) or {allowed}; "
+                       f"got {self.compressed_kv_cache_dtype!r} with kv_cache_dtype="
+                       f"{self.kv_cache_dtype!r}")
     for name in ("num_heads", "window_size", "max_model_len", "index_topk", "block_size",
                  "swa_block_size", "prefill_chunk_size"):
       if getattr(self, name) < 1:
@@ -89,6 +105,11 @@ class DeepseekV4Config:
     if self.block_size % self.compress_ratio:
       raise ValueError(f"block_size ({self.block_size}) must be a multiple of compress_ratio "
                        f"({self.compress_ratio})")
+
+  @property
+  def compressed_cache_dtype(self) -> str:
+    """Format of the compressed cache."""
+    return self.compressed_kv_cache_dtype or self.kv_cache_dtype
 
   @property
   def nope_head_dim(self) -> int:
@@ -288,7 +309,8 @@ def deepseek_v4_sparse_decode(
 
   Args:
     q: bf16 ``[Td, num_heads, 512]``, the decode tokens' queries.
-    swa_cache, compressed_cache: ``fp8_model1`` caches (``compressed_cache`` None for ratio 1).
+    swa_cache, compressed_cache: caches in ``config.kv_cache_dtype`` /
+      ``config.compressed_cache_dtype`` (``compressed_cache`` None for ratio 1).
     metadata: from :func:`build_deepseek_v4_metadata`.
     attn_sink: float32 ``[num_heads]`` or None.
     topk_indices: int32 ``[Td, index_topk]`` request-local compressed ids (ratio 4).
@@ -310,7 +332,8 @@ def deepseek_v4_sparse_decode(
     extra_lens = metadata.c128a_decode_topk_lens
   if config.compress_ratio > 1:
     extra = dict(extra_kv_cache=compressed_cache, extra_indices=extra_indices[:, None, :],
-                 extra_topk_length=extra_lens)
+                 extra_topk_length=extra_lens,
+                 extra_kv_cache_dtype=config.compressed_cache_dtype)
   out, _ = sparse_mla_decode(
       q[:, None], swa_cache, metadata.decode_swa_indices[:, None, :],
       kv_cache_dtype=config.kv_cache_dtype, sm_scale=config.sm_scale, d_v=config.head_dim,
@@ -366,7 +389,7 @@ def deepseek_v4_sparse_prefill(
       kv = idx.dequantize_and_gather_k_cache(
           kv, compressed_cache, seq_lens // ratio, None,
           metadata.block_table[nd + chunk_start:nd + chunk_end], offset=0, capacity=n,
-          kv_cache_dtype=config.kv_cache_dtype)
+          kv_cache_dtype=config.compressed_cache_dtype)
     kv = idx.dequantize_and_gather_k_cache(
         kv, swa_cache, seq_lens, gather_lens, swa_bt[chunk_start:chunk_end], offset=n,
         capacity=m - n, kv_cache_dtype=config.kv_cache_dtype)
@@ -426,9 +449,11 @@ def deepseek_v4_sparse_forward(
     q: bf16 ``[T, num_heads, 512]`` (decode tokens first; RoPE already applied).
     kv: bf16 ``[T, 512]`` new latents written to the SWA cache first, or None when
       the cache already holds them.
-    swa_cache: ``fp8_model1`` uint8 ``[num_blocks, swa_block_size, bytes]`` (donated).
-    compressed_cache: ``fp8_model1`` cache of the compressed entries (ratio 4/128),
-      already holding every entry up to ``seq_len // compress_ratio``.
+    swa_cache: uint8 ``[num_blocks, swa_block_size, bytes]`` cache in
+      ``config.kv_cache_dtype`` (donated).
+    compressed_cache: cache of the compressed entries (ratio 4/128) in
+      ``config.compressed_cache_dtype``, already holding every entry up to
+      ``seq_len // compress_ratio``.
     metadata: from :func:`build_deepseek_v4_metadata`.
     attn_sink: float32 ``[num_heads]`` or None.
     topk_indices: int32 ``[T, index_topk]`` request-local compressed ids from the
@@ -464,9 +489,11 @@ class DeepseekV4Sparse:
   compressed entries with the head's sink, returning ``(out, swa_cache)``. Tokens
   are ordered decodes first. Shapes (``T`` tokens, ``H`` heads): ``q [T, H, 512]``
   and ``kv [T, 512]`` bf16 (448 NoPE + 64 RoPE), ``swa_cache`` /
-  ``compressed_cache`` uint8 ``fp8_model1`` caches (``kv_cache_shape(blocks,
-  block_size, 512, "fp8_model1")``, ``block_size`` = ``config.swa_block_size`` /
-  ``config.compressed_block_size``), ``attn_sink`` float32 ``[H]``,
+  ``compressed_cache`` uint8 caches (``kv_cache_shape(blocks, block_size, 512,
+  config.kv_cache_dtype / config.compressed_cache_dtype)``, ``block_size`` =
+  ``config.swa_block_size`` / ``config.compressed_block_size``; ``fp8_model1`` by
+  default, the V4.1 formats by ``kv_cache_dtype`` / ``compressed_kv_cache_dtype``),
+  ``attn_sink`` float32 ``[H]``,
   ``topk_indices`` int32 ``[T, config.index_topk]`` request-local compressed ids
   (ratio 4 only); ``out`` bf16 ``[T, H, 512]``.
 
