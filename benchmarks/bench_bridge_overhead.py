@@ -64,11 +64,12 @@ def primitive_costs(dev, sync):
       ("torch.from_dlpack (public)", lambda: torch.from_dlpack(a)),
   ]
   if dev == "cuda":
-    ready = _interop.fence_torch_to_jax(t, jdev)
+    cur = _interop.torch_stream(t)
+    ready = _interop.fence_torch_to_jax(cur, jdev)
     rows += [
         ("import on JAX's ready-event stream", lambda: _interop.import_tensor(t, jdev, ready)),
         ("fence: ready stream waits for torch's stream",
-         lambda: _interop.fence_torch_to_jax(t, jdev)),
+         lambda: _interop.fence_torch_to_jax(cur, jdev)),
         ("torch.cuda.current_stream", lambda: torch.cuda.current_stream(t.device)),
     ]
   return [(name, per_call_us(fn, sync, calls=1000, reps=5)) for name, fn in rows]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import Row, device_name, n_sets, print_table
+from benchmarks.harness import Row, device_name, n_sets, print_table, time_calls_us
 from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
 
 COPY_TBPS = 3.0  # device-to-device copy on the H100 (RESULTS.md, "Anchors")
@@ -76,6 +76,41 @@ def _time_chain(fmt, impl, cache, sets, reps=10) -> float:
   return 1e6 * float(np.median(times)) / len(sets)
 
 
+def in_place_from_torch(fmt, shape, sets, reps=10) -> tuple[float, float]:
+  """(torch us, JAX us) per write into one cache, each call separately dispatched: the
+  torch bridge's in-place ``ops.concat_and_cache_mla`` on a torch cache, and the JAX
+  writer on a donated cache (one jitted call per write, the cache threaded through).
+  Checks first that both leave the same bytes and that torch's storage did not move."""
+  import torch
+
+  from torch_bridge import ops, to_jax, to_torch
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  t_sets = [tuple(to_torch(a).to(device) for a in s) for s in sets]
+  t_cache = torch.zeros(shape, dtype=torch.uint8, device=device)
+  ptr = t_cache.data_ptr()
+  write = jax.jit(lambda cache, kv_c, k_pe, slots: concat_and_cache_mla(
+      kv_c, k_pe, cache, slots, kv_cache_dtype=fmt), donate_argnums=0)
+  j_cache = [jnp.zeros(shape, jnp.uint8)]
+  ops.concat_and_cache_mla(*t_sets[0][:2], t_cache, t_sets[0][2], kv_cache_dtype=fmt)
+  j_cache[0] = write(j_cache[0], *sets[0])
+  if t_cache.data_ptr() != ptr or not bool((to_jax(t_cache) == j_cache[0]).all()):
+    raise AssertionError(f"{fmt}: the torch in-place write differs from the JAX write")
+
+  def jax_call(s):
+    def call():
+      j_cache[0] = write(j_cache[0], *s)
+      return j_cache[0]
+    return call
+
+  sync_torch = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+  t_us = time_calls_us([lambda s=s: ops.concat_and_cache_mla(s[0], s[1], t_cache, s[2],
+                                                             kv_cache_dtype=fmt)
+                        for s in t_sets], lambda outs: sync_torch(), reps=reps)
+  j_us = time_calls_us([jax_call(s) for s in sets], lambda outs: jax.block_until_ready(outs[-1]),
+                       reps=reps)
+  return t_us, j_us
+
+
 CONFIGS = [(fmt, T, nb) for fmt in ("fp8_ds_mla", "fp8_model1")
            for T, nb in ((128, 4096), (4096, 512), (4096, 4096), (16384, 4096))]
 
@@ -95,6 +130,10 @@ def run(configs=CONFIGS, impls=("triton", "xla")) -> list[Row]:
       us = _time_chain(fmt, impl, jnp.zeros(shape, jnp.uint8), sets)
       rows.append(Row("concat_and_cache_mla", f"{fmt} T {T}, {nb}x{bs} blocks ({impl})", us,
                       moved / us / 1e6, "TB/s", COPY_TBPS, "D2D copy", dev))
+    if T <= 4096:  # the torch bridge's in-place write, against the same write from JAX
+      t_us, j_us = in_place_from_torch(fmt, shape, sets)
+      rows.append(Row("concat_and_cache_mla from torch", f"{fmt} T {T}, {nb}x{bs} blocks",
+                      t_us, t_us, "us", j_us, "JAX write, per call", dev))
   return rows
 
 

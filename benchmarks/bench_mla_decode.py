@@ -23,7 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
+from benchmarks import flashmla_peer
+from benchmarks.harness import (
+  Row,
+  check_close,
+  device_name,
+  n_sets,
+  print_table,
+  rel_err,
+  sync_jax,
+  sync_torch,
+  time_calls_us,
+  time_us,
+)
 from jax_mla import _mosaic
 from jax_mla._common import num_sms
 from jax_mla.dense_decode import mla_decode, mla_decode_paged, mosaic, triton
@@ -136,13 +148,42 @@ def _case_sets(case: Case):
   return sets, flops, kv_bytes
 
 
-def run(cases=CASES) -> list[Row]:
+def side_by_side(fm, case: Case, sets, figure) -> Row:
+  """The public op (its default kernel) and FlashMLA on the same input sets with the
+  same timer (benchmarks/flashmla_peer.py), after comparing their outputs."""
+  ours = jax.jit(mla_decode_paged)
+  meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes and lengths
+  theirs = [flashmla_peer.dense_decode(fm, meta, *s) for s in sets]
+  got, peer = ours(*sets[0]), theirs[0]()
+  check_close(f"{case.name}: ours vs FlashMLA out", got[0], flashmla_peer.from_torch(peer[0]))
+  lse_err = rel_err(got[1], flashmla_peer.from_torch(peer[1]))
+  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
+  peer_us = time_calls_us(theirs, sync_torch)
+  print(f"side by side {case.name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "
+        f"FlashMLA/ours {peer_us / us:.3f}, lse rel err {lse_err:.1e}", flush=True)
+  return Row("mla_decode_paged vs FlashMLA", case.name, us, figure(us), case.unit,
+             figure(peer_us), flashmla_peer.NAME, device_name())
+
+
+def run(cases=CASES, *, only_side_by_side: bool = False) -> list[Row]:
   """The FlashMLA dense-decode anchor rows through the public ``mla_decode_paged``, once
-  per GPU kernel that takes the row (Triton; Mosaic GPU on Hopper)."""
+  per GPU kernel that takes the row (Triton; Mosaic GPU on Hopper). Where FlashMLA
+  imports (benchmarks/flashmla_peer.py), each row is also timed side by side with it
+  (``only_side_by_side``: only that)."""
   dev = device_name()
+  fm = flashmla_peer.load()
+  if only_side_by_side and fm is None:
+    raise RuntimeError("side by side needs FlashMLA: put its built package on PYTHONPATH")
   rows = []
   for case in cases:
     sets, flops, kv_bytes = _case_sets(case)
+
+    def figure(us, case=case, flops=flops, kv_bytes=kv_bytes):
+      return flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
+    if fm is not None:
+      rows.append(side_by_side(fm, case, sets, figure))
+    if only_side_by_side:
+      continue
     ref = mla_decode_paged(*sets[0], implementation="xla")
     impls = ["triton"]
     if _mosaic.default_for(mosaic.check_supported, sets[0][0], sets[0][1], causal=False):
@@ -151,8 +192,7 @@ def run(cases=CASES) -> list[Row]:
       fn = jax.jit(functools.partial(mla_decode_paged, implementation=impl))
       check_close(f"mla_decode_paged[{impl}] {case.name}", fn(*sets[0])[0], ref[0])
       us = time_us(fn, sets)
-      figure = flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
-      rows.append(Row(f"mla_decode_paged[{impl}]", case.name, us, figure, case.unit,
+      rows.append(Row(f"mla_decode_paged[{impl}]", case.name, us, figure(us), case.unit,
                       case.anchor, "FlashMLA", dev))
     del sets, ref
   return rows
@@ -209,15 +249,17 @@ def main():
   p.add_argument("--skip-check", action="store_true")
   p.add_argument("--memcheck", action="store_true", help="run one small case and exit")
   p.add_argument("--sweep", action="store_true", help="also time tile configurations")
+  p.add_argument("--side-by-side", action="store_true",
+                 help="only the rows timed beside FlashMLA (benchmarks/flashmla_peer.py)")
   args = p.parse_args()
   print(jax.devices(), jax.__version__)
   if args.memcheck:
     memcheck_case()
     return 0
-  ok = True if args.skip_check else correctness()
+  ok = True if args.skip_check or args.side_by_side else correctness()
   if args.sweep:
     sweep()
-  print_table(run())
+  print_table(run(only_side_by_side=args.side_by_side))
   return 0 if ok else 1
 
 

@@ -11,20 +11,43 @@ CLI times the public ops with those ``config=`` values instead (for tuning): Tri
 consumer_registers, producer_registers)``.
 FLOPs follow FlashMLA: ``2 * tokens * h_q * (topk [+ extra_topk]) * (d_qk + d_v)``. The
 anchors (``ROWS``) are the 2026-11-22 FlashMLA figures (benchmarks/RESULTS.md, "Anchors").
+Where ``flash_mla`` imports, each row is also timed side by side with FlashMLA
+(``--side-by-side``: only that; benchmarks/flashmla_peer.py). The DeepSeek V4.1 rows
+(``V41_ROWS``, e.g. ``--rows decode_fp8_v41_h128,decode_fp8_v41+fp4_v41_h128``) have no
+Hopper peer: they report cache bytes read per second against copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
+from benchmarks import flashmla_peer
+from benchmarks.harness import (
+  Row,
+  check_close,
+  device_name,
+  n_sets,
+  print_table,
+  rel_err,
+  sync_jax,
+  sync_torch,
+  time_calls_us,
+  time_us,
+)
+from benchmarks.sanitize import QUANTIZE
 from jax_mla import _mosaic
-from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla, quantize_fp8_model1_cache
+from jax_mla.cache import (
+  kv_cache_shape,
+  kv_cache_storage_dtype,
+  quantize_fp8_ds_mla,
+  quantize_fp8_model1_cache,
+)
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill, triton
 
 # Prefill calls take milliseconds and their queries alone overflow L2: a few
@@ -54,7 +77,8 @@ class Decode:
   extra: int | None
   extra_block_size: int | None
   seqlen: int  # cache slots per request (main and extra cache each)
-  anchor: float  # FlashMLA TFLOP/s on the H100
+  anchor: float | None  # FlashMLA TFLOP/s on the H100 (None: no Hopper peer)
+  extra_dtype: str | None = None  # the extra cache's format (None: dtype)
 
 
 ROWS = {  # the FlashMLA anchor rows (RESULTS.md, "Anchors", 2026-11-22 edition)
@@ -67,10 +91,19 @@ ROWS = {  # the FlashMLA anchor rows (RESULTS.md, "Anchors", 2026-11-22 edition)
     "decode_m1_h128": Decode("fp8_model1", 256, 2, 128, 128, 256, 1024, 64, 8192, 375.0),
     "decode_m1_h64": Decode("fp8_model1", 256, 2, 64, 128, 256, 512, 64, 8192, 229.0),
 }
+# DeepSeek V4.1 formats on the V4 decode rows: FlashMLA has no Hopper kernel for them,
+# so they are measured against our fp8_model1 rows and against copy bandwidth.
+V41_ROWS = {
+    f"decode_{fmt}{'+' + extra if extra != fmt else ''}_h{h}": Decode(
+        fmt, 256, 2, h, 128, 256, 1024 if h == 128 else 512, 64, 8192, None, extra)
+    for h in (128, 64)
+    for fmt, extra in (("fp8_v41", "fp8_v41"), ("fp8_v41", "fp4_v41"), ("fp4_v41", "fp4_v41"))
+}
 # Not an anchor row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
 EXTRA_ROWS = {
     "decode_ds_b128_1g": Decode("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 16384, 395.0),
 }
+COPY_TB_S = 3.0  # device-to-device copy on the H100 (RESULTS.md)
 
 
 def _bad_indices(key, shape, num_slots, frac=0.05):
@@ -185,18 +218,18 @@ def _decode_sets(spec: Decode):
   d_qk = 576 if spec.dtype == "fp8_ds_mla" else 512
   b, s_q = spec.b, spec.s_q
 
-  def make_cache(kk, bsz):
+  def make_cache(kk, bsz, fmt):
     nb = b * spec.seqlen // bsz
-    shape = kv_cache_shape(nb, bsz, d_qk, spec.dtype)
+    shape = kv_cache_shape(nb, bsz, d_qk, fmt)
     # Random bytes are fine for timing except NaN/huge fp8 codes: build a small
     # quantized block and tile it over the cache.
     x = (jax.random.normal(kk, (1, bsz, d_qk)) / 3).astype(jnp.bfloat16)
-    quant = quantize_fp8_ds_mla if spec.dtype == "fp8_ds_mla" else quantize_fp8_model1_cache
-    return jnp.broadcast_to(quant(x), shape) + jnp.zeros(shape, jnp.uint8), nb * bsz
+    return jnp.broadcast_to(QUANTIZE[fmt](x), shape) + jnp.zeros(shape, jnp.uint8), nb * bsz
 
   k = jax.random.split(jax.random.PRNGKey(2), 3)
-  cache, n = make_cache(k[0], spec.block_size)
-  ecache, en = make_cache(k[1], spec.extra_block_size) if spec.extra else (None, 0)
+  cache, n = make_cache(k[0], spec.block_size, spec.dtype)
+  ecache, en = (make_cache(k[1], spec.extra_block_size, spec.extra_dtype or spec.dtype)
+                if spec.extra else (None, 0))
   sink = jax.random.normal(k[2], (spec.h_q,), jnp.float32)
   per_set = b * s_q * (spec.h_q * d_qk * 2 + (spec.topk + (spec.extra or 0)) * 4)
   sets = []
@@ -212,9 +245,23 @@ def _decode_sets(spec: Decode):
 
 
 def _decode_call(spec: Decode, **kw):
+  if spec.extra_dtype is not None:
+    kw["extra_kv_cache_dtype"] = spec.extra_dtype
   return lambda q, cache, idx, sink, ecache, eidx: sparse_mla_decode(
       q, cache, idx, kv_cache_dtype=spec.dtype, attn_sink=sink, extra_kv_cache=ecache,
       extra_indices=eidx, **kw)
+
+
+def _bytes_read(spec: Decode) -> int:
+  """Cache bytes a decode call reads: each (token, index) pair's row, once per query."""
+  def token_bytes(fmt, bsz):
+    d_qk = 576 if fmt == "fp8_ds_mla" else 512
+    nb, bs, width = kv_cache_shape(1, bsz, d_qk, fmt)
+    return nb * bs * width * jnp.dtype(kv_cache_storage_dtype(fmt)).itemsize // bsz
+  per_query = spec.topk * token_bytes(spec.dtype, spec.block_size)
+  if spec.extra:
+    per_query += spec.extra * token_bytes(spec.extra_dtype or spec.dtype, spec.extra_block_size)
+  return spec.b * spec.s_q * per_query
 
 
 def _prefill_call(spec: Prefill, **kw):
@@ -222,11 +269,40 @@ def _prefill_call(spec: Prefill, **kw):
       q, kv, idx, sm_scale=spec.d_qk ** -0.5, attn_sink=sink, **kw)
 
 
-def run(rows=ROWS) -> list[Row]:
+def side_by_side(fm, name: str, spec, sets, flop: float) -> Row:
+  """The public op (its default kernel) and FlashMLA on the same input sets with the
+  same timer (benchmarks/flashmla_peer.py), after comparing their outputs."""
+  if isinstance(spec, Prefill):
+    ours = jax.jit(_prefill_call(spec))
+    theirs = [flashmla_peer.sparse_prefill(fm, *s, spec.d_qk ** -0.5) for s in sets]
+    lse_at = 2
+  else:
+    ours = jax.jit(_decode_call(spec))
+    meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes
+    theirs = [flashmla_peer.sparse_decode(fm, meta, *s, kv_cache_dtype=spec.dtype)
+              for s in sets]
+    lse_at = 1
+  got, peer = ours(*sets[0]), theirs[0]()
+  check_close(f"{name}: ours vs FlashMLA out", got[0], flashmla_peer.from_torch(peer[0]))
+  lse_err = rel_err(got[lse_at], flashmla_peer.from_torch(peer[lse_at]))
+  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
+  peer_us = time_calls_us(theirs, sync_torch)
+  print(f"side by side {name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "
+        f"FlashMLA/ours {peer_us / us:.3f}, lse rel err {lse_err:.1e}", flush=True)
+  return Row("sparse_mla vs FlashMLA", name, us, flop / us / 1e6, "TFLOP/s",
+             flop / peer_us / 1e6, flashmla_peer.NAME, device_name())
+
+
+def run(rows=ROWS, *, only_side_by_side: bool = False) -> list[Row]:
   """Each row through the public op, once per GPU kernel that takes it (Triton, and
   Mosaic GPU on Hopper where it takes the row); the timed call is checked against the reference
-  first (prefill: on the first 64 tokens; decode: the whole call)."""
+  first (prefill: on the first 64 tokens; decode: the whole call). Where FlashMLA imports
+  (benchmarks/flashmla_peer.py), each row is also timed side by side with it
+  (``only_side_by_side``: only that)."""
   dev = device_name()
+  fm = flashmla_peer.load()
+  if only_side_by_side and fm is None:
+    raise RuntimeError("side by side needs FlashMLA: put its built package on PYTHONPATH")
   out = []
   for name, spec in rows.items():
     if isinstance(spec, Prefill):
@@ -251,13 +327,19 @@ def run(rows=ROWS) -> list[Row]:
       except Exception as e:  # noqa: BLE001 - the reference is a check here, not the subject
         print(f"{name}: reference failed ({str(e).splitlines()[0][:100]}); not checked")
         ref = None
-    for op, fn in calls:
+    for op, fn in [] if only_side_by_side else calls:
       if ref is not None:
         got = fn(*checked_args)
         check_close(f"{op} {name} out", got[0], ref[0])
         check_close(f"{op} {name} lse", got[lse_at], ref[lse_at], tol=1e-3)
       us = time_us(fn, sets, reps=10)
-      out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", spec.anchor, "FlashMLA", dev))
+      if spec.anchor is not None:
+        out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", spec.anchor, "FlashMLA", dev))
+      else:  # no peer: bytes read per second against copy bandwidth
+        out.append(Row(op, name, us, _bytes_read(spec) / us / 1e6, "TB/s", COPY_TB_S,
+                       "copy bandwidth", dev))
+    if fm is not None and spec.anchor is not None:
+      out.append(side_by_side(fm, name, spec, sets, flop))
     del sets
   return out
 
@@ -301,6 +383,8 @@ def main():
                   help="block_h:block_k:num_warps:num_stages,... (Triton config= sweep)")
   ap.add_argument("--mosaic-configs", default="",
                   help="num_stages:consumer_registers:producer_registers,... (Mosaic GPU)")
+  ap.add_argument("--side-by-side", action="store_true",
+                  help="only the rows timed beside FlashMLA (benchmarks/flashmla_peer.py)")
   ap.add_argument("--small", action="store_true",
                   help="--check on small shapes (for compute-sanitizer runs)")
   args = ap.parse_args()
@@ -308,7 +392,7 @@ def main():
   ok = True
   if args.check or args.small:
     ok = check(small=args.small)
-  every = {**ROWS, **EXTRA_ROWS}
+  every = {**ROWS, **V41_ROWS, **EXTRA_ROWS}
   rows = {r: every[r] for r in args.rows.split(",") if r}
   configs = (_configs(args.triton_configs, triton.Config,
                       ("block_h", "block_k", "num_warps", "num_stages"))
@@ -317,7 +401,7 @@ def main():
   if configs:
     print_table(sweep(rows, configs))
   else:
-    print_table(run(rows))
+    print_table(run(rows, only_side_by_side=args.side_by_side))
   return 0 if ok else 1
 
 

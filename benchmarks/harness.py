@@ -80,6 +80,35 @@ def time_us(fn, arg_sets, *, reps: int = 30) -> float:
   return 1e6 * float(np.median(times)) / len(calls)
 
 
+def time_calls_us(calls, sync, *, reps: int = 10) -> float:
+  """Median wall time per call of ``calls`` (one zero-argument callable per input set),
+  dispatched back to back and synchronised once per pass.
+
+  The side-by-side timer: the same for a jitted JAX op and a torch op. Both dispatch
+  asynchronously, so for kernels longer than a dispatch the figure is GPU time.
+  """
+  if SMOKE:
+    calls, reps = calls[:2], 1
+  for _ in range(2):
+    sync([c() for c in calls])
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    sync([c() for c in calls])
+    times.append(time.perf_counter() - t0)
+  return 1e6 * float(np.median(times)) / len(calls)
+
+
+def sync_jax(outs):
+  jax.block_until_ready(outs)
+
+
+def sync_torch(outs):
+  del outs
+  import torch
+  torch.cuda.synchronize()
+
+
 def n_sets(bytes_per_set: int, l2_bytes: int = 50 << 20, lo: int = 16, hi: int = 32) -> int:
   """How many distinct input sets to rotate: enough to amortise one dispatch and to
   overflow L2 twice, within [lo, hi]."""

@@ -36,14 +36,15 @@ import time
 TOTAL_S = 590
 # Seconds per module on the GPU, process start and compilation included. Sum <= TOTAL_S.
 BUDGET_S = {
-    "bench_bridge_overhead": 45,
-    "bench_cache": 60,
+    "bench_bridge_model_loop": 50,
+    "bench_bridge_overhead": 35,
+    "bench_cache": 55,
     "bench_deepseek_v4": 90,
-    "bench_indexing": 30,
+    "bench_indexing": 25,
     "bench_mla_decode": 60,
     "bench_mla_prefill": 60,
     "bench_paged_attention": 60,
-    "bench_sharding": 60,
+    "bench_sharding": 45,
     "bench_sparse_mla": 110,
 }
 DEFAULT_BUDGET_S = 60  # a new module until it gets its own entry
@@ -87,6 +88,10 @@ def _interpret(module, *names: str) -> None:
       return op(*args, **kwargs)
 
     setattr(module, name, call)
+
+
+def _smoke_bridge_model_loop(m):
+  return m.run(batches=(2,))
 
 
 def _smoke_bridge_overhead(m):
@@ -138,10 +143,14 @@ def _smoke_sparse_mla(m):
                                  anchor=1.0),
       "smoke decode": m.Decode(dtype="fp8_ds_mla", b=2, s_q=1, h_q=16, topk=32, block_size=64,
                                extra=None, extra_block_size=None, seqlen=128, anchor=1.0),
+      "smoke decode v4.1": m.Decode(dtype="fp8_v41", b=2, s_q=1, h_q=16, topk=32, block_size=64,
+                                    extra=16, extra_block_size=16, seqlen=128, anchor=None,
+                                    extra_dtype="fp4_v41"),
   })
 
 
 SMOKE = {
+    "bench_bridge_model_loop": _smoke_bridge_model_loop,
     "bench_bridge_overhead": _smoke_bridge_overhead,
     "bench_cache": _smoke_cache,
     "bench_deepseek_v4": _smoke_deepseek_v4,

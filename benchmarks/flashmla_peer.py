@@ -1,0 +1,83 @@
+"""FlashMLA beside jax-mla: the same rows, the same inputs, the same timer.
+
+Where ``flash_mla`` (FlashMLA built from its public source; its last Hopper release)
+imports on a CUDA machine, the sparse and dense MLA benchmarks time each row for both
+libraries in one process. FlashMLA reads our arrays through DLPack without a copy
+(caches as FlashMLA's views of the same bytes), its outputs are compared with ours,
+then both are timed by ``benchmarks.harness.time_calls_us``. Nothing of FlashMLA is in
+this repository; put its package on ``PYTHONPATH`` to enable the mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+from jax_mla.cache.model1 import MODEL1
+
+NAME = "FlashMLA (same run)"
+
+
+def load():
+  """The ``flash_mla`` module, or None where it (or a CUDA torch) is missing."""
+  try:
+    import torch
+    if not torch.cuda.is_available():
+      return None
+    return importlib.import_module("flash_mla")
+  except ImportError:
+    return None
+
+
+def _torch(a):
+  from torch_bridge import to_torch
+  return None if a is None else to_torch(a)
+
+
+def cache_view(cache: jax.Array, kv_cache_dtype: str):
+  """Our cache as the ``[num_blocks, block_size, 1, last]`` tensor FlashMLA reads."""
+  import torch
+  t = _torch(cache)
+  nb, bs = t.shape[:2]
+  if kv_cache_dtype == "auto":
+    return t.view(nb, bs, 1, -1)
+  t = t.view(torch.float8_e4m3fn)
+  if kv_cache_dtype == "fp8_ds_mla":
+    return t.view(nb, bs, 1, -1)
+  if kv_cache_dtype == "fp8_model1":  # whole padded blocks, one token row each
+    padded = MODEL1.block_bytes(bs)
+    return t.as_strided((nb, bs, 1, MODEL1.token_bytes), (padded, MODEL1.token_bytes,
+                                                          MODEL1.token_bytes, 1))
+  raise ValueError(f"FlashMLA reads no {kv_cache_dtype!r} cache")
+
+
+def sparse_prefill(fm, q, kv, indices, attn_sink, sm_scale):
+  """A zero-argument FlashMLA ``flash_mla_sparse_fwd`` call on our prefill inputs."""
+  args = (_torch(q), _torch(kv)[:, None], _torch(indices)[:, None], sm_scale, 512,
+          _torch(attn_sink))
+  return lambda: fm.flash_mla_sparse_fwd(*args)
+
+
+def sparse_decode(fm, meta, q, cache, indices, attn_sink, extra_cache, extra_indices, *,
+                  kv_cache_dtype):
+  """A zero-argument FlashMLA sparse ``flash_mla_with_kvcache`` call; ``meta`` from
+  ``fm.get_mla_metadata()[0]``, shared by calls of one shape."""
+  args = (_torch(q), cache_view(cache, kv_cache_dtype), None, None, 512, meta, None, None,
+          False, True, _torch(indices), _torch(attn_sink),
+          None if extra_cache is None else cache_view(extra_cache, kv_cache_dtype),
+          _torch(extra_indices))
+  return lambda: fm.flash_mla_with_kvcache(*args)
+
+
+def dense_decode(fm, meta, q, cache, block_table, cache_seqlens, *, causal=False):
+  """A zero-argument FlashMLA dense bf16 ``flash_mla_with_kvcache`` call."""
+  args = (_torch(q), cache_view(cache, "auto"), _torch(block_table), _torch(cache_seqlens),
+          512, meta, None, None, causal)
+  return lambda: fm.flash_mla_with_kvcache(*args)
+
+
+def from_torch(t):
+  """FlashMLA's output as a jax.Array (for comparing with ours; a copy where strided)."""
+  from torch_bridge import to_jax
+  return to_jax(t.contiguous())
