@@ -63,11 +63,14 @@ def _inputs(loop: Loop, device):
   block = (jax.random.normal(jax.random.PRNGKey(0), (1, BLOCK, D_QK)) / 3).astype(jnp.bfloat16)
   shape = kv_cache_shape(nb, BLOCK, D_QK, "fp8_ds_mla")
   block = to_torch(quantize_fp8_ds_mla(block)).to(device)
-  caches, indices = [], []
+  # One allocation holds every layer's cache and stays referenced (as a model runner's
+  # kv_caches list does): the bridge keys its imports on the tensor that owns the memory.
+  storage = torch.empty((loop.layers, *shape), dtype=torch.uint8, device=device)
+  storage.copy_(block.expand(storage.shape))
+  caches = [storage[layer].view(torch.float8_e4m3fn).view(nb, BLOCK, 1, -1)
+            for layer in range(loop.layers)]
+  indices = []
   for _ in range(loop.layers):
-    cache = torch.empty(shape, dtype=torch.uint8, device=device)
-    cache.copy_(block.expand(shape))
-    caches.append(cache.view(torch.float8_e4m3fn).view(nb, BLOCK, 1, -1))
     start = torch.arange(loop.batch, device=device, dtype=torch.int32)[:, None, None]
     indices.append(start * loop.tokens + torch.randint(
         0, loop.tokens, (loop.batch, 1, loop.topk), generator=g, device=device,
@@ -77,7 +80,7 @@ def _inputs(loop: Loop, device):
   w_o = torch.randn(H_Q * D_V, loop.hidden, generator=g, device=device,
                     dtype=torch.bfloat16) / (H_Q * D_V) ** 0.5
   x = torch.randn(loop.batch, loop.hidden, generator=g, device=device, dtype=torch.bfloat16)
-  return caches, indices, w_q, w_o, x
+  return storage, caches, indices, w_q, w_o, x
 
 
 def _torch_step(attention, caches, indices, w_q, w_o, b):
@@ -148,7 +151,7 @@ def measure(loop: Loop, steps=20, profile=False):
   cuda = torch.cuda.is_available()
   device = torch.device("cuda" if cuda else "cpu")
   sync = torch.cuda.synchronize if cuda else (lambda: None)
-  caches, indices, w_q, w_o, x = _inputs(loop, device)
+  storage, caches, indices, w_q, w_o, x = _inputs(loop, device)  # storage: kept alive
   b = loop.batch
   meta_bridge = [ops.get_mla_metadata()[0] for _ in caches]
   modes = {
