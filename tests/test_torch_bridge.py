@@ -416,20 +416,30 @@ def test_aiter_missing_library_or_device(monkeypatch):
     aiter.mla_decode(*(jax.device_put(a, cpu) for a in args), max_seqlen_q=1)
 
 
-def test_ops_reuse_imported_views_while_tensors_live():
+def test_ops_reuse_imported_views_and_never_keep_tensors_alive():
   x = torch.arange(64, dtype=torch.float32)
-  view = x[16:]  # a view: its entry lives as long as x
+  view = x[16:]
+  uses = torch._C._storage_Use_Count(x.untyped_storage()._cdata)
   np.testing.assert_allclose(_bytes(ops.lse2_to_lse(view)), np.arange(16, 64) * np.log(2.0),
                              rtol=1e-6)
-  keys = [k for k in _interop._imports if k[0] == id(x)]
+  keys = [k for k in _interop._imports if k[1] == view.data_ptr()]
   assert len(keys) == 1
+  # The cache holds no reference to the memory: dropping the tensors frees it.
+  assert torch._C._storage_Use_Count(x.untyped_storage()._cdata) == uses
   x[16] = 100.0  # torch writes in place: the reused view reads the new value
   assert float(ops.lse2_to_lse(view)[0]) == pytest.approx(100.0 * np.log(2.0))
-  assert [k for k in _interop._imports if k[0] == id(x)] == keys
-  del x, view
-  import gc
-  gc.collect()
-  assert not any(k == keys[0] for k in _interop._imports)
+  assert [k for k in _interop._imports if k[1] == view.data_ptr()] == keys
+
+
+def test_import_cache_hits_through_fresh_view_objects():
+  """A new Python object over the same memory hits: a dtype view of a view of a root
+  that nothing references any more (FlashMLA's fp8 cache seen as uint8)."""
+  cache = torch.zeros(3, 4, 8, 16, dtype=torch.uint8)[1].view(torch.float8_e4m3fn).view(
+      4, 8, 1, 16)
+  device = _interop.jax_device(cache)
+  imported = [_interop.import_cached(cache.view(torch.uint8).squeeze(2), device, None)[1]
+              for _ in range(3)]
+  assert imported == [True, False, False]
 
 
 def test_copied_imports_are_not_reused():
@@ -438,7 +448,7 @@ def test_copied_imports_are_not_reused():
   a, imported = _interop.import_cached(view, _interop.jax_device(view), None)
   if a.unsafe_buffer_pointer() == view.data_ptr():
     pytest.skip("this jaxlib shares a 16-byte-aligned view without a copy")
-  assert imported and not any(k[0] == id(x) for k in _interop._imports)
+  assert imported and not any(k[1] == view.data_ptr() for k in _interop._imports)
   x[1, 0] = 7.0
   assert float(ops.lse2_to_lse(view)[0, 0]) == pytest.approx(7.0 * np.log(2.0))
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -154,9 +153,23 @@ def fence_tensor(t: torch.Tensor, device: jax.Device) -> tuple[torch.Tensor, jax
   return f
 
 
+_current_streams: dict[tuple, torch.cuda.Stream] = {}
+
+
 def torch_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
-  """torch's current stream on ``t``'s device (None on CPU)."""
-  return torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
+  """torch's current stream on ``t``'s device (None on CPU).
+
+  One ``torch.cuda.Stream`` per stream seen, looked up by torch's raw stream triple:
+  ``torch.cuda.current_stream`` builds a new object each call (about 20 us).
+  """
+  if t.device.type != "cuda":
+    return None
+  data = torch._C._cuda_getCurrentStream(t.device.index)
+  s = _current_streams.get(data)
+  if s is None:
+    s = _current_streams[data] = torch.cuda.Stream(
+        stream_id=data[0], device_index=data[1], device_type=data[2])
+  return s
 
 
 def stream_ptr(stream: torch.cuda.Stream | None) -> int | None:
@@ -204,16 +217,26 @@ def import_tensor(t: torch.Tensor, device: jax.Device, stream: int | None) -> ja
   return jax.dlpack.from_dlpack(t)
 
 
-# Imported views, keyed by what the view covers; each entry lives while the tensor
-# that owns the memory (``t._base`` for a view) lives, and at most _CACHE_SIZE
-# entries are kept. The cached jax.Array reads the memory as it is when a JAX
-# computation runs, so torch may keep writing the tensor in place between calls.
+# Imported views, keyed by the memory they cover (device, address, dtype, shape,
+# strides); at most _CACHE_SIZE entries are kept, least recently used dropped first.
+# A cached view does not own its memory, so the cache never keeps a tensor alive: it
+# is used only for a tensor at the same address with the same geometry, whose memory
+# the caller's tensor keeps valid (whatever Python object the caller holds: views of
+# views, dtype views and views of a root nobody references all hit). torch queues its
+# later work, a reuse of the memory included, after the JAX work that read it (the
+# results' stream wait in ``torch_bridge.ops``). The cached jax.Array reads the memory
+# as it is when a JAX computation runs, so torch may keep writing it in place between
+# calls.
 _CACHE_SIZE = 256
 _imports: collections.OrderedDict = collections.OrderedDict()
 
 
-def _forget(key) -> None:
-  _imports.pop(key, None)
+def _unowned_view(t: torch.Tensor) -> torch.Tensor:
+  """A tensor over ``t``'s memory that does not keep it alive."""
+  storage = torch._C._construct_storage_from_data_pointer(
+      t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+  return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+      storage, t.storage_offset(), t.shape, t.stride())
 
 
 def import_cached(t: torch.Tensor, device: jax.Device, stream: int | None, name: str = "t"
@@ -223,31 +246,26 @@ def import_cached(t: torch.Tensor, device: jax.Device, stream: int | None, name:
   A new import is made with ``stream``; a cached one was ordered by the stream it
   was imported with, and later writes by torch are ordered by the caller's fence.
   ``t`` is checked (:func:`check_tensor`, naming ``name``) when it is imported: a
-  cache hit has the storage, dtype, shape and strides of a tensor checked before.
+  cache hit has the memory, dtype, shape and strides of a tensor checked before.
+  Only for arrays used within one call (the ``torch_bridge.ops`` wrappers): the
+  array does not keep ``t``'s memory alive.
   """
   if t.layout != torch.strided:  # no strides to key on: check_tensor says what is wrong
     check_tensor(name, t)
-  owner = t if t._base is None else t._base
-  key = (id(owner), t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_neg())
+  key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_neg())
   with _lock:
     hit = _imports.get(key)
     if hit is not None:
       _imports.move_to_end(key)
-      return hit[1], False
+      return hit, False
   check_tensor(name, t)
-  # Import an alias that holds only the storage: a capsule holding ``t`` itself
-  # (or a view's base) would keep the owner's Python object alive through torch's
-  # PyObject preservation, and the finalizer would never run.
-  alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-      t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-  a = import_tensor(alias, device, stream)
+  a = import_tensor(_unowned_view(t), device, stream)
   if t.numel() and a.unsafe_buffer_pointer() != t.data_ptr():
     return a, True  # JAX copied (e.g. a misaligned CPU view): a copy must not be reused.
   with _lock:
-    _imports[key] = (weakref.finalize(owner, _forget, key), a)
+    _imports[key] = a
     if len(_imports) > _CACHE_SIZE:
-      _, (fin, _) = _imports.popitem(last=False)
-      fin.detach()
+      _imports.popitem(last=False)
   return a, True
 
 
