@@ -31,9 +31,6 @@ from benchmarks.harness import (
   n_sets,
   print_table,
   rel_err,
-  sync_jax,
-  sync_torch,
-  time_calls_us,
   time_us,
 )
 from jax_mla import _mosaic
@@ -154,13 +151,7 @@ def side_by_side(fm, case: Case, sets, figure) -> Row:
   ours = jax.jit(mla_decode_paged)
   meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes and lengths
   theirs = [flashmla_peer.dense_decode(fm, meta, *s) for s in sets]
-  got, peer = ours(*sets[0]), theirs[0]()
-  check_close(f"{case.name}: ours vs FlashMLA out", got[0], flashmla_peer.from_torch(peer[0]))
-  lse_err = rel_err(got[1], flashmla_peer.from_torch(peer[1]))
-  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
-  peer_us = time_calls_us(theirs, sync_torch)
-  print(f"side by side {case.name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "
-        f"FlashMLA/ours {peer_us / us:.3f}, lse rel err {lse_err:.1e}", flush=True)
+  us, peer_us = flashmla_peer.compare_and_time(case.name, ours, theirs, sets, lse_at=1)
   return Row("mla_decode_paged vs FlashMLA", case.name, us, figure(us), case.unit,
              figure(peer_us), flashmla_peer.NAME, device_name())
 

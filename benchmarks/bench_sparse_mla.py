@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import sys
 
 import jax
@@ -35,9 +34,6 @@ from benchmarks.harness import (
   n_sets,
   print_table,
   rel_err,
-  sync_jax,
-  sync_torch,
-  time_calls_us,
   time_us,
 )
 from benchmarks.sanitize import QUANTIZE
@@ -282,13 +278,7 @@ def side_by_side(fm, name: str, spec, sets, flop: float) -> Row:
     theirs = [flashmla_peer.sparse_decode(fm, meta, *s, kv_cache_dtype=spec.dtype)
               for s in sets]
     lse_at = 1
-  got, peer = ours(*sets[0]), theirs[0]()
-  check_close(f"{name}: ours vs FlashMLA out", got[0], flashmla_peer.from_torch(peer[0]))
-  lse_err = rel_err(got[lse_at], flashmla_peer.from_torch(peer[lse_at]))
-  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
-  peer_us = time_calls_us(theirs, sync_torch)
-  print(f"side by side {name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "
-        f"FlashMLA/ours {peer_us / us:.3f}, lse rel err {lse_err:.1e}", flush=True)
+  us, peer_us = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at)
   return Row("sparse_mla vs FlashMLA", name, us, flop / us / 1e6, "TFLOP/s",
              flop / peer_us / 1e6, flashmla_peer.NAME, device_name())
 

@@ -10,10 +10,12 @@ this repository; put its package on ``PYTHONPATH`` to enable the mode.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
 
+from benchmarks.harness import check_close, rel_err, sync_jax, sync_torch, time_calls_us
 from jax_mla.cache.model1 import MODEL1
 
 NAME = "FlashMLA (same run)"
@@ -81,3 +83,17 @@ def from_torch(t):
   """FlashMLA's output as a jax.Array (for comparing with ours; a copy where strided)."""
   from torch_bridge import to_jax
   return to_jax(t.contiguous())
+
+
+def compare_and_time(name: str, ours, theirs, sets, lse_at: int) -> tuple[float, float]:
+  """``ours`` (a jitted op over a set) against ``theirs`` (one FlashMLA call per set):
+  outputs compared on the first set (``out`` asserted, ``lse`` at ``lse_at`` printed),
+  then both timed by ``time_calls_us``. Returns (our us, FlashMLA us) per call."""
+  got, peer = ours(*sets[0]), theirs[0]()
+  check_close(f"{name}: ours vs FlashMLA out", got[0], from_torch(peer[0]))
+  lse_err = rel_err(got[lse_at], from_torch(peer[lse_at]))
+  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
+  peer_us = time_calls_us(theirs, sync_torch)
+  print(f"side by side {name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "
+        f"FlashMLA/ours {peer_us / us:.3f}, lse rel err {lse_err:.1e}", flush=True)
+  return us, peer_us
