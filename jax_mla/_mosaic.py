@@ -69,11 +69,13 @@ def default_for(check, *args, **kwargs) -> bool:
 
 def shared_scratch(plgpu_mod, rows: int, num_stages: int):
   """What :func:`consume_stages` passes between its two warpgroups besides ``P``, for a
-  kernel's ``run_scoped``: float32 ``[num_stages + 2, rows]`` SMEM (each ring slot's
-  rescale factor, then the running row max and sum) and ``num_stages + 1`` barriers
-  (one "``P`` ready" per slot, then warpgroup 0's own one)."""
-  return (plgpu_mod.SMEM((num_stages + 2, rows), jnp.float32),
-          plgpu_mod.Barrier(num_arrivals=1, num_barriers=num_stages + 1))
+  kernel's ``run_scoped``: float32 ``[num_stages + 6, rows]`` SMEM (each ring slot's
+  rescale factor; the running row max each warpgroup published last; each warpgroup's
+  partial row sum and the max it is relative to) and ``num_stages + 4`` barriers (one
+  "``P`` ready" per slot, one "max published" per warpgroup, then one per warpgroup
+  that orders its own first stores before its loads)."""
+  return (plgpu_mod.SMEM((num_stages + 6, rows), jnp.float32),
+          plgpu_mod.Barrier(num_arrivals=1, num_barriers=num_stages + 4))
 
 
 def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, shared,
@@ -82,16 +84,20 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   (dense decode and sparse MLA; call after ``set_max_registers``).
 
   A producer warpgroup fills a ring of key stages in SMEM; the two consumers (``wg``
-  0 and 1) each own 256 of the 512 output columns. Per stage warpgroup 0 computes
-  ``S = Q K^T`` over the two 256-wide halves of the 512 main columns plus the RoPE
-  columns, masks it and runs the online softmax in base 2; it hands ``P`` (bf16) and
-  the rows' rescale factor to warpgroup 1 through SMEM, and both multiply ``P`` by
-  their half of ``V`` (the main columns of the same key rows). ``S`` is computed once
-  (FlashMLA's split): computing it in both warpgroups cost a third of the tensor-core
-  work of a step. Warpgroup 1's ``P V`` of a stage overlaps warpgroup 0's ``Q K^T``
-  of the next. ``P`` goes into the stage's RoPE tile, dead once ``S`` is computed
-  (``V`` is the main columns), and the rescale factor into the slot's row of
-  ``stats``: both are free again when the stage is.
+  0 and 1) each own 256 of the 512 output columns. The consumers take turns: stage
+  ``i``'s ``S = Q K^T`` (over the two 256-wide halves of the 512 main columns plus the
+  RoPE columns), mask and online softmax (base 2) run in warpgroup ``i % 2``, which
+  hands ``P`` (bf16) and the rows' rescale factor to both through SMEM; both multiply
+  ``P`` by their half of ``V`` (the main columns of the same key rows). ``S`` is
+  computed once per stage (computing it in both warpgroups cost a third of the
+  tensor-core work), both warpgroups do the same tensor-core work, and one's softmax
+  runs while the other's matmuls keep the tensor cores busy. Only the row max chains
+  the stages: warpgroup ``i % 2`` takes the max published after stage ``i - 1`` by the
+  other one, publishes the new one as soon as it has the scores' row max, and keeps
+  its own partial row sum (relative to its last max; summed at the end). ``P`` goes
+  into the stage's RoPE tile, dead once ``S`` is computed (``V`` is the main columns),
+  and the rescale factor into the slot's row of ``stats``: both are free again when
+  the stage is.
 
   Args:
     wg: this consumer's index (``lax.axis_index("wg")``).
@@ -103,10 +109,11 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
     barriers: ``(q_bar, kv_bar, free_bar, done_bar)``: query loaded, stage loaded (one
       per stage), stage free (one per stage, both consumers arrive), both consumers done
       with the query.
-    shared: ``(stats, p_ready)`` from :func:`shared_scratch`.
-    mask: ``mask(i, slot)`` runs (in warpgroup 0) before stage ``i`` (ring slot
-      ``slot``) is waited for, so work that does not read the stage overlaps the wait;
-      it returns the function that sets the float32 scores of absent keys to ``-inf``.
+    shared: ``(stats, ready)`` from :func:`shared_scratch`.
+    mask: ``mask(i, slot)`` runs (in the warpgroup computing stage ``i``, ring slot
+      ``slot``) before the stage is waited for, so work that does not read the stage
+      overlaps the wait; it returns the function that sets the float32 scores of absent
+      keys to ``-inf``.
     scale: the softmax scale times ``log2(e)``.
 
   Returns:
@@ -116,29 +123,40 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   """
   plgpu = plgpu_mod
   q_bar, kv_bar, free_bar, done_bar = barriers
-  stats, p_ready = shared
+  stats, ready = shared
   num_stages, _, keys, half = k_main.shape
   rows = q_main.shape[1]
-  m_row, l_row = num_stages, num_stages + 1
+  p_ready = lambda slot: ready.at[slot]  # noqa: E731
+  m_ready = lambda w: ready.at[num_stages + w]  # noqa: E731
+  m_at = lambda w: stats.at[num_stages + w]  # noqa: E731  max published last by w
+  l_at = lambda w: stats.at[num_stages + 2 + w]  # noqa: E731  w's partial sum ...
+  u_at = lambda w: stats.at[num_stages + 4 + w]  # noqa: E731  ... relative to this max
   row = row_layout(plgpu)
-  load_row = lambda k: plgpu.load(stats.at[k], (), layout=row, optimized=False)  # noqa: E731
+  load = lambda ref: plgpu.load(ref, (), layout=row, optimized=False)  # noqa: E731
   acc = plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA)
+  minus_inf = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row)
 
-  @pl.when(wg == 0)
-  def _init():
-    # The running max and sum live in SMEM: only warpgroup 0 updates them. Its own
-    # barrier orders these stores (by whichever threads hold a row) before any load.
-    stats.at[m_row][...] = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row)
-    stats.at[l_row][...] = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row)
-    plgpu.barrier_arrive(p_ready.at[num_stages])
-    plgpu.barrier_wait(p_ready.at[num_stages])
+  # Stage 0's computing warpgroup (0) reads the max "published by 1 before it": -inf.
+  # Each warpgroup's partial sum starts at 0 relative to -inf; its own barrier orders
+  # these stores (by whichever threads hold a row) before its loads. Later, "P ready"
+  # (arrived and waited by the computing warpgroup) orders each stage's stores.
+  l_at(wg)[...] = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row)
+  u_at(wg)[...] = minus_inf
+  plgpu.barrier_arrive(ready.at[num_stages + 2 + wg])
+  plgpu.barrier_wait(ready.at[num_stages + 2 + wg])
+
+  @pl.when(wg == 1)
+  def _():
+    m_at(1)[...] = minus_inf
+    plgpu.barrier_arrive(m_ready(1))
 
   plgpu.barrier_wait(q_bar)
 
   def step(i, acc):
     slot = lax.rem(i, num_stages)
+    mine = lax.rem(i, 2)
 
-    @pl.when(wg == 0)
+    @pl.when(wg == mine)
     def _scores():
       apply_mask = mask(i, slot)
       plgpu.barrier_wait(kv_bar.at[slot])
@@ -151,21 +169,27 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
         return s_ref[...]
 
       s = apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
-      # The previous step's P-ready barrier ordered the stores of m and l before these.
-      p, alpha, m, l = online_softmax(s, load_row(m_row), load_row(l_row), scale)
-      k_rope.at[slot][...] = p  # S is done (read above): the RoPE tile is dead
-      stats.at[slot][...] = alpha
-      stats.at[m_row][...] = m
-      stats.at[l_row][...] = l
+      row_max = s.max(axis=1) * scale  # the scale folds into the exp2's FMA below
+      plgpu.barrier_wait(m_ready(1 - mine))
+      m_prev = load(m_at(1 - mine))
+      m_new = jnp.maximum(m_prev, row_max)
+      m_at(mine)[...] = m_new
+      plgpu.barrier_arrive(m_ready(mine))  # the next stage's softmax may start
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l_at(mine)[...] = load(l_at(mine)) * jnp.exp2(load(u_at(mine)) - m_use) + p.sum(axis=1)
+      u_at(mine)[...] = m_use
+      k_rope.at[slot][...] = p.astype(jnp.bfloat16)  # S is done: the RoPE tile is dead
+      stats.at[slot][...] = jnp.exp2(m_prev - m_use)
       plgpu.commit_smem()  # P is read by wgmma (the async proxy)
-      plgpu.barrier_arrive(p_ready.at[slot])
+      plgpu.barrier_arrive(p_ready(slot))
 
-    @pl.when(wg == 1)
+    @pl.when(wg != mine)
     def _():
       plgpu.barrier_wait(kv_bar.at[slot])
 
-    plgpu.barrier_wait(p_ready.at[slot])
-    alpha = load_row(slot)
+    plgpu.barrier_wait(p_ready(slot))
+    alpha = load(stats.at[slot])
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def pv(acc_ref):
@@ -178,7 +202,12 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   acc = lax.fori_loop(0, steps, step, acc)
   plgpu.barrier_arrive(done_bar)
   plgpu.barrier_wait(done_bar)
-  return acc, load_row(m_row), load_row(l_row)
+  # The final max is the one published for the last stage (-inf with no stage); each
+  # partial sum is brought to it (a warpgroup that computed no stage has 0 at -inf).
+  m = load(m_at(lax.rem(steps + 1, 2)))
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  l = sum(load(l_at(w)) * jnp.exp2(load(u_at(w)) - m_use) for w in range(2))
+  return acc, m, l
 
 
 def empty_rows(l):
@@ -190,16 +219,3 @@ def empty_rows(l):
   """
   empty = l == 0.0
   return empty, jnp.where(empty, 1.0, l)
-
-
-def online_softmax(s, m, l, scale: float):
-  """One key block of the online softmax: ``s`` float32 scores (WGMMA layout, ``-inf``
-  where there is no key), ``m`` the running row max in scaled base-2 units, ``l`` the
-  running sum, ``scale`` the softmax scale times ``log2(e)``. Returns ``(P in bf16, the
-  factor that rescales what was accumulated before, m, l)``, updated."""
-  # The scale folds into the exp2's FMA.
-  m_new = jnp.maximum(m, s.max(axis=1) * scale)
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
-  alpha = jnp.exp2(m - m_use)
-  p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-  return p.astype(jnp.bfloat16), alpha, m_new, l * alpha + p.sum(axis=1)
