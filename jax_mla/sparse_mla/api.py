@@ -38,7 +38,7 @@ from jax_mla.cache.model1 import MODEL1
 from jax_mla.cache.v41_fp4 import V41_FP4
 from jax_mla.cache.v41_fp8 import V41_FP8
 from jax_mla.sharding import OpSharding, shape_of
-from jax_mla.sparse_mla import mosaic, reference, triton
+from jax_mla.sparse_mla import backward, mosaic, reference, triton
 from jax_mla.sparse_mla.layout import token_lengths
 
 D_QKS = (D_QK, D_QK_V4)
@@ -155,6 +155,9 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
     float32 ``[s_q, h_q]``, natural-log sum-exp of those scores. A row with no valid
     key gets ``out = 0``, ``max_logits = -inf`` and ``lse = +inf``; a NaN score at a
     valid key (a NaN query, say) gives NaN in all three.
+
+  Differentiable (``jax.grad``) in ``q``, ``kv`` and ``attn_sink`` on every
+  implementation; the backward runs in jax.numpy (docs/api.md, section 9).
   """
   check_rank("q", q, 3)
   check_dtype("q", q, jnp.bfloat16)
@@ -187,6 +190,12 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
 @functools.partial(jax.jit, static_argnames=("sm_scale", "d_v", "impl", "config", "interpret"))
 def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, config, interpret):
   lengths = token_lengths(indices, topk_length)
+  return _differentiable_prefill((sm_scale, d_v, impl, config, interpret), q, kv, indices,
+                                 attn_sink, lengths)
+
+
+def _prefill_forward(statics, q, kv, indices, attn_sink, lengths):
+  sm_scale, d_v, impl, config, interpret = statics
   if impl == "xla":
     return reference.sparse_prefill(q, kv, indices, attn_sink, lengths, sm_scale=sm_scale,
                                     d_v=d_v)
@@ -195,6 +204,27 @@ def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, con
                                  config=config)
   return triton.sparse_prefill(q, kv, indices, attn_sink, lengths, sm_scale=sm_scale, d_v=d_v,
                                config=config, interpret=interpret)
+
+
+# Every implementation's forward, one backward (backward.py, XLA) from the saved out and lse.
+_differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
+
+
+def _prefill_fwd(statics, q, kv, indices, attn_sink, lengths):
+  out, max_logits, lse = _prefill_forward(statics, q, kv, indices, attn_sink, lengths)
+  return (out, max_logits, lse), (q, kv, indices, attn_sink, lengths, out, lse)
+
+
+def _prefill_bwd(statics, residuals, cotangents):
+  sm_scale, d_v = statics[:2]
+  q, kv, indices, attn_sink, lengths, out, lse = residuals
+  d_out, _, d_lse = cotangents  # max_logits is treated as a constant
+  dq, dkv, dsink = backward.sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse,
+                                               d_out, d_lse, sm_scale=sm_scale, d_v=d_v)
+  return dq, dkv, None, dsink, None
+
+
+_differentiable_prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
 def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
