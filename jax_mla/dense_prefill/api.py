@@ -24,7 +24,7 @@ from jax_mla._common import (
   check_static,
   resolve_implementation,
 )
-from jax_mla.dense_prefill import triton
+from jax_mla.dense_prefill import backward, triton
 from jax_mla.dense_prefill.reference import mla_prefill_reference
 from jax_mla.sharding import OpSharding, shape_of
 
@@ -70,6 +70,9 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     A query with no visible key (empty key range, or ``len_q > len_k`` under the
     causal mask) and any token at or past ``cu_seqlens_q[-1]`` get ``out = 0`` and
     ``lse = +inf``.
+
+  Differentiable (``jax.grad``) in ``q``, ``k`` and ``v`` on every implementation; the
+  backward runs in jax.numpy (docs/api.md, section 9).
   """
   args, static = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal,
@@ -131,15 +134,42 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k
                                              "config", "interpret", "head_major_lse"))
 def _mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, sm_scale,
                  causal, config, interpret, head_major_lse):
-  if config is None:
-    out, lse = mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                     sm_scale=sm_scale, causal=causal)
-  else:
-    out, lse = triton.mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                         max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
-                                         causal=causal, config=config, interpret=interpret)
+  statics = (max_seqlen_q, max_seqlen_k, sm_scale, causal, config, interpret)
+  out, lse = _differentiable_prefill(statics, q, k, v, cu_seqlens_q, cu_seqlens_k)
   return out, (lse.T if head_major_lse else lse)
+
+
+def _prefill_forward(statics, q, k, v, cu_seqlens_q, cu_seqlens_k):
+  max_seqlen_q, max_seqlen_k, sm_scale, causal, config, interpret = statics
+  if config is None:
+    return mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                 sm_scale=sm_scale, causal=causal)
+  return triton.mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                   max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal,
+                                   config=config, interpret=interpret)
+
+
+# Every implementation's forward, one backward (backward.py, XLA) from the saved out and lse.
+_differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
+
+
+def _prefill_fwd(statics, q, k, v, cu_seqlens_q, cu_seqlens_k):
+  out, lse = _prefill_forward(statics, q, k, v, cu_seqlens_q, cu_seqlens_k)
+  return (out, lse), (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+
+
+def _prefill_bwd(statics, residuals, cotangents):
+  max_seqlen_q, max_seqlen_k, sm_scale, causal = statics[:4]
+  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = residuals
+  d_out, d_lse = cotangents
+  dq, dk, dv = backward.mla_prefill_bwd(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse, max_seqlen_q=max_seqlen_q,
+      max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal)
+  return dq, dk, dv, None, None
+
+
+_differentiable_prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
 # --- sharding: how jax_mla.sharding splits these ops over devices (see OpSharding) ---------

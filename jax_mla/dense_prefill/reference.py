@@ -9,16 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-
-def _pad_sequences(x, cu_seqlens, max_seqlen):
-  """Gathers packed ``x[T, ...]`` into ``[B, max_seqlen, ...]`` (zeros past each length)."""
-  pos = jnp.arange(max_seqlen, dtype=jnp.int32)
-  lens = cu_seqlens[1:] - cu_seqlens[:-1]
-  valid = pos[None, :] < lens[:, None]
-  idx = jnp.where(valid, cu_seqlens[:-1, None] + pos[None, :], 0)
-  # Zero padding rows with `where` so a NaN in a foreign row never enters a dot.
-  rows = jnp.where(valid[..., None, None], x[jnp.clip(idx, 0, max(x.shape[0] - 1, 0))], 0)
-  return rows, idx, valid, lens
+from jax_mla.dense_prefill.layout import causal_limit, pad_sequences
 
 
 def mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
@@ -29,18 +20,16 @@ def mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
   if num_tokens == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
     return (jnp.zeros((num_tokens, num_heads, d_v), q.dtype),
             jnp.full((num_tokens, num_heads), jnp.inf, jnp.float32))
-  qp, q_idx, q_valid, len_q = _pad_sequences(q, cu_seqlens_q, max_seqlen_q)
-  kp, _, k_valid, len_k = _pad_sequences(k, cu_seqlens_k, max_seqlen_k)
-  vp, _, _, _ = _pad_sequences(v, cu_seqlens_k, max_seqlen_k)
+  qp, q_idx, q_valid, len_q = pad_sequences(q, cu_seqlens_q, max_seqlen_q)
+  kp, _, k_valid, len_k = pad_sequences(k, cu_seqlens_k, max_seqlen_k)
+  vp, _, _, _ = pad_sequences(v, cu_seqlens_k, max_seqlen_k)
 
   s = jnp.einsum("bqhd,bkhd->bhqk", qp.astype(jnp.float32), kp.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST) * sm_scale
   mask = k_valid[:, None, None, :]
   if causal:
-    # Bottom-right aligned (flash-attn >= 2.1): query i sees keys j <= i + len_k - len_q.
-    pos_q = jnp.arange(max_seqlen_q, dtype=jnp.int32)
     pos_k = jnp.arange(max_seqlen_k, dtype=jnp.int32)
-    limit = pos_q[None, :] + (len_k - len_q)[:, None]                      # [B, Sq]
+    limit = causal_limit(len_q, len_k, max_seqlen_q)                       # [B, Sq]
     mask = mask & (pos_k[None, None, None, :] <= limit[:, None, :, None])
   s = jnp.where(mask, s, -jnp.inf)
   m = jnp.max(s, axis=-1)
