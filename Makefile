@@ -58,7 +58,7 @@ bench-smoke: install
 	PYTHONPATH=$(CURDIR) $(VPY) -m benchmarks.run --smoke --out benchmarks/out/smoke
 
 lint: install
-	$(VENV)/bin/ruff check jax_mla torch_bridge tests benchmarks
+	$(VENV)/bin/ruff check jax_mla torch_bridge tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) benchmarks/out .pytest_cache .jax_cache
