@@ -24,15 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import flashmla_peer
-from benchmarks.harness import (
-  Row,
-  check_close,
-  device_name,
-  n_sets,
-  print_table,
-  rel_err,
-  time_us,
-)
+from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
 from jax_mla import _mosaic
 from jax_mla._common import num_sms
 from jax_mla.dense_decode import mla_decode, mla_decode_paged, mosaic, triton

@@ -27,15 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import flashmla_peer
-from benchmarks.harness import (
-  Row,
-  check_close,
-  device_name,
-  n_sets,
-  print_table,
-  rel_err,
-  time_us,
-)
+from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
 from benchmarks.sanitize import QUANTIZE
 from jax_mla import _mosaic
 from jax_mla.cache import (
