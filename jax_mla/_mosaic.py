@@ -128,6 +128,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   rows = q_main.shape[1]
   p_ready = lambda slot: ready.at[slot]  # noqa: E731
   m_ready = lambda w: ready.at[num_stages + w]  # noqa: E731
+  own_ready = lambda w: ready.at[num_stages + 2 + w]  # noqa: E731
   m_at = lambda w: stats.at[num_stages + w]  # noqa: E731  max published last by w
   l_at = lambda w: stats.at[num_stages + 2 + w]  # noqa: E731  w's partial sum ...
   u_at = lambda w: stats.at[num_stages + 4 + w]  # noqa: E731  ... relative to this max
@@ -142,8 +143,8 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   # (arrived and waited by the computing warpgroup) orders each stage's stores.
   l_at(wg)[...] = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row)
   u_at(wg)[...] = minus_inf
-  plgpu.barrier_arrive(ready.at[num_stages + 2 + wg])
-  plgpu.barrier_wait(ready.at[num_stages + 2 + wg])
+  plgpu.barrier_arrive(own_ready(wg))
+  plgpu.barrier_wait(own_ready(wg))
 
   @pl.when(wg == 1)
   def _():

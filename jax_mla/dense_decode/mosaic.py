@@ -10,11 +10,11 @@ one KV split, and three warpgroups:
   request's cache blocks (64 keys each, found through the block table) into a
   two-stage shared-memory ring with TMA;
 - two consumer warpgroups each own 256 of the 512 output columns (a 64 x 512
-  float32 accumulator does not fit one warpgroup's registers). The first computes
-  ``S = Q K^T`` (64 x 64, over 512 NoPE + 64 RoPE columns) and the online softmax
-  in base 2 and hands ``P`` to the second through SMEM; each multiplies ``P`` by
-  its half of ``V`` (the first 512 columns of the same latent rows)
-  (:func:`jax_mla._mosaic.consume_stages`).
+  float32 accumulator does not fit one warpgroup's registers). They take the stages
+  in turns: one computes a stage's ``S = Q K^T`` (64 x 64, over 512 NoPE + 64 RoPE
+  columns) and the online softmax in base 2 and hands ``P`` to both through SMEM;
+  each multiplies ``P`` by its half of ``V`` (the first 512 columns of the same
+  latent rows) (:func:`jax_mla._mosaic.consume_stages`).
 
 Unwritten cache slots may hold NaN, and ``0 * NaN`` is NaN, so no CTA reads
 them: each request's partial last block comes from a small copy (``tail``) in

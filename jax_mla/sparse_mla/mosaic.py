@@ -21,11 +21,12 @@ default on Hopper GPUs for the shapes it takes). One CTA takes one query token a
   in SMEM by the step before (``cp.async``), so only the rows' loads wait on memory
   (1.14x on the fp8_ds_mla b128 h128 row). Each set has its own format
   (V4.1 pairs an ``fp8_v41`` main set with an ``fp4_v41`` extra set);
-- two consumer warpgroups each own 256 of the 512 output columns; the first
-  computes ``S = Q K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), masks
-  the invalid columns to ``-inf``, runs the online softmax in base 2 and hands
-  ``P`` to the second through SMEM; both multiply ``P`` by their half of ``V``
-  (the first 512 columns of the same rows) (:func:`jax_mla._mosaic.consume_stages`).
+- two consumer warpgroups each own 256 of the 512 output columns and take the
+  stages in turns: one computes a stage's ``S = Q K^T`` (64 x 64 over the 512 + 64
+  RoPE or 512 columns), masks the invalid columns to ``-inf``, runs the online
+  softmax in base 2 and hands ``P`` to both through SMEM; both multiply ``P`` by
+  their half of ``V`` (the first 512 columns of the same rows)
+  (:func:`jax_mla._mosaic.consume_stages`).
 
 The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad each
 set's ``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
