@@ -60,11 +60,11 @@ def _inputs(loop: Loop, device):
   indices, shared weights and the step's input activations."""
   g = torch.Generator(device=device).manual_seed(0)
   nb = loop.batch * loop.tokens // BLOCK
-  block = (jax.random.normal(jax.random.PRNGKey(0), (1, BLOCK, D_QK)) / 3).astype(jnp.bfloat16)
+  latent = (jax.random.normal(jax.random.PRNGKey(0), (1, BLOCK, D_QK)) / 3).astype(jnp.bfloat16)
   shape = kv_cache_shape(nb, BLOCK, D_QK, "fp8_ds_mla")
-  block = to_torch(quantize_fp8_ds_mla(block)).to(device)
-  # One allocation holds every layer's cache and stays referenced (as a model runner's
-  # kv_caches list does): the bridge keys its imports on the tensor that owns the memory.
+  block = to_torch(quantize_fp8_ds_mla(latent)).to(device)
+  # One allocation holds every layer's cache (as a model runner's kv_caches do); each
+  # layer passes FlashMLA's fp8 view of its slice.
   storage = torch.empty((loop.layers, *shape), dtype=torch.uint8, device=device)
   storage.copy_(block.expand(storage.shape))
   caches = [storage[layer].view(torch.float8_e4m3fn).view(nb, BLOCK, 1, -1)
@@ -151,7 +151,7 @@ def measure(loop: Loop, steps=20, profile=False):
   cuda = torch.cuda.is_available()
   device = torch.device("cuda" if cuda else "cpu")
   sync = torch.cuda.synchronize if cuda else (lambda: None)
-  storage, caches, indices, w_q, w_o, x = _inputs(loop, device)  # storage: kept alive
+  storage, caches, indices, w_q, w_o, x = _inputs(loop, device)  # storage: the caches' memory
   b = loop.batch
   meta_bridge = [ops.get_mla_metadata()[0] for _ in caches]
   modes = {

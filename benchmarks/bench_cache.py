@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import Row, device_name, n_sets, print_table, time_calls_us
+from benchmarks.harness import Row, device_name, n_sets, print_table, sync_torch, time_calls_us
 from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
 
 COPY_TBPS = 3.0  # device-to-device copy on the H100 (RESULTS.md, "Anchors")
@@ -102,10 +102,10 @@ def in_place_from_torch(fmt, shape, sets, reps=10) -> tuple[float, float]:
       return j_cache[0]
     return call
 
-  sync_torch = torch.cuda.synchronize if device == "cuda" else (lambda: None)
   t_us = time_calls_us([lambda s=s: ops.concat_and_cache_mla(s[0], s[1], t_cache, s[2],
                                                              kv_cache_dtype=fmt)
-                        for s in t_sets], lambda outs: sync_torch(), reps=reps)
+                        for s in t_sets], sync_torch, reps=reps)
+  # Only the last cache is alive: each call donated the one before.
   j_us = time_calls_us([jax_call(s) for s in sets], lambda outs: jax.block_until_ready(outs[-1]),
                        reps=reps)
   return t_us, j_us
