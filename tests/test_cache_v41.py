@@ -445,15 +445,15 @@ def test_decode_validation(monkeypatch):
   with pytest.raises(ValueError, match="q.shape"):
     sparse_mla_decode(jnp.zeros((1, 1, 64, 576), jnp.bfloat16), fp8, idx,
                       kv_cache_dtype="fp8_v41")
-  # The Mosaic GPU kernel reads every V4.1 format and pair; None picks it on Hopper
-  # (h_q a multiple of 64), not for other head counts.
+  # The Mosaic GPU kernels read every V4.1 format and pair; None picks them on Hopper
+  # for every head count.
   for fmts in ((V41_FP8,), (V41_FP8, V41_FP4), (V41_FP4,), (DS_MLA,), (MODEL1, MODEL1)):
     mosaic.check_supported(q, fmts)
   monkeypatch.setattr(_mosaic, "on_hopper", lambda: True)
   monkeypatch.setattr(_mosaic, "runs_on_gpu", lambda like: True)  # q is a CPU array here
   for fmts in ((DS_MLA,), (V41_FP8, V41_FP4), (V41_FP4,)):
     assert sparse_api._implementation(q, None, False, fmts) == "mosaic"
-    assert sparse_api._implementation(q[..., :16, :], None, False, fmts) != "mosaic"
+    assert sparse_api._implementation(q[..., :16, :], None, False, fmts) == "mosaic"
 
 
 # ---------------------------------------------------------------------------

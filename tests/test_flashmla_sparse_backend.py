@@ -105,9 +105,10 @@ def _reference(d, scale, cache_dtype):
 @pytest.mark.parametrize("impl,h,seed,q_lens,ctx_lens,topk,padding", [
     pytest.param("xla", H, 0, [3, 1, 2], [5, 20, 0], 8, 0, marks=pytest.mark.cpu_only),
     pytest.param("xla", H, 1, [1, 4], [33, 2], 5, 2, marks=pytest.mark.cpu_only),
-    # The layer on the Mosaic GPU kernel (a multiple of 64 heads): one case holding both
-    # cases' features (a context over 3 blocks, batch padding), one compile per format.
+    # The layer on the Mosaic GPU kernels (64 heads; 16, a TP-8 share of 128): one case
+    # holding both cases' features (a context over 3 blocks, batch padding).
     pytest.param("mosaic", 64, 2, [3, 1, 2], [5, 33, 0], 8, 2, marks=pytest.mark.gpu),
+    pytest.param("mosaic", 16, 2, [3, 1, 2], [5, 33, 0], 8, 2, marks=pytest.mark.gpu),
 ])
 def test_forward_matches_reference(impl, h, seed, q_lens, ctx_lens, topk, padding, cache_dtype):
   d = _setup(seed, q_lens, ctx_lens, topk, cache_dtype, padding, h)

@@ -1,7 +1,10 @@
 """Sparse MLA prefill and decode on the Mosaic GPU kernel vs the jax.numpy reference.
 
 Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
-(``@pytest.mark.gpu``); the input checks run anywhere.
+(``@pytest.mark.gpu``); the input checks run anywhere. Head counts that are multiples
+of 64 run the head-block kernel (mosaic.py); the others (8, 16, 24, 48, ...) the
+transposed one (mosaic_transposed.py), with padded heads in the last block when
+``h_q`` is not a multiple of 16.
 """
 
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ from helpers import rel_err
 from sparse_cases import decode_inputs, random_indices
 
 from jax_mla import _mosaic
-from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla import mosaic, mosaic_transposed, sparse_mla_decode, sparse_mla_prefill
 
 
 def _rows(rng, num_slots, d_qk, idx):
@@ -54,7 +57,7 @@ S_Q, S_KV = 8, 512
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d_qk", [576, 512])
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", [64, 128, 8, 16, 48, 100])
 def test_random_with_invalid_indices(d_qk, h_q):
   rng = np.random.default_rng(d_qk + h_q)
   _check(*_case(rng, S_Q, h_q, d_qk, S_KV, 256))
@@ -64,33 +67,37 @@ def test_random_with_invalid_indices(d_qk, h_q):
 # one padded step, one exact step, a second step holding one key.
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [1, 64, 65])
-def test_odd_topk(topk):
-  _check(*_case(np.random.default_rng(topk), S_Q, 64, 576, S_KV, topk))
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_odd_topk(topk, h_q):
+  _check(*_case(np.random.default_rng(topk), S_Q, h_q, 576, S_KV, topk))
 
 
 @pytest.mark.gpu
-def test_topk_length_short_zero_and_over():
+@pytest.mark.parametrize("h_q", [128, 24])
+def test_topk_length_short_zero_and_over(h_q):
   rng = np.random.default_rng(3)
-  q, kv, idx = _case(rng, S_Q, 128, 576, S_KV, 190)
+  q, kv, idx = _case(rng, S_Q, h_q, 576, S_KV, 190)
   lengths = jnp.asarray([0, 1, 63, 64, 65, 190, 500, -3], jnp.int32)
   # Sinks of -inf change nothing; given, the kernel is test_sinks[576]'s.
-  _check(q, kv, idx, topk_length=lengths, attn_sink=jnp.full((128,), -jnp.inf, jnp.float32))
+  _check(q, kv, idx, topk_length=lengths, attn_sink=jnp.full((h_q,), -jnp.inf, jnp.float32))
 
 
 @pytest.mark.gpu
-def test_all_invalid_rows():
+@pytest.mark.parametrize("h_q", [64, 32])
+def test_all_invalid_rows(h_q):
   rng = np.random.default_rng(4)
-  q, kv, idx = _case(rng, S_Q, 64, 512, S_KV, 256)
+  q, kv, idx = _case(rng, S_Q, h_q, 512, S_KV, 256)
   idx = idx.at[1].set(-1).at[3].set(S_KV)
   _check(q, kv, idx)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_sinks(d_qk):
+@pytest.mark.parametrize("h_q", [128, 24])
+def test_sinks(d_qk, h_q):
   rng = np.random.default_rng(5)
-  q, kv, idx = _case(rng, S_Q, 128, d_qk, S_KV, 190)
-  sink = rng.standard_normal(128).astype(np.float32)
+  q, kv, idx = _case(rng, S_Q, h_q, d_qk, S_KV, 190)
+  sink = rng.standard_normal(h_q).astype(np.float32)
   sink[::3], sink[1::3] = np.inf, -np.inf
   lengths = jnp.asarray([190, 0, 77, 190, 3, 64, 65, 1], jnp.int32)
   _check(q, kv, idx, attn_sink=jnp.asarray(sink), topk_length=lengths)
@@ -105,6 +112,13 @@ DECODE_CASES = [
     ("fp8_model1", 3, 2, 128, 130, 3, 256, True, True, (200, 12, 64)),
     ("fp8_model1", 4, 2, 64, 19, 30, 2, False, True, (150, 3, 64)),
     ("fp8_model1", 2, 1, 128, 64, 2, 64, True, False, (65, 2, 128)),
+    # The transposed kernel: TP head counts, and one that pads (20 -> 32).
+    ("fp8_ds_mla", 3, 2, 16, 200, 11, 64, True, True, None),
+    ("fp8_ds_mla", 2, 2, 8, 130, 10, 61, False, False, None),
+    ("fp8_model1", 3, 2, 16, 130, 3, 256, True, True, (200, 12, 64)),
+    ("fp8_model1", 2, 2, 32, 19, 30, 2, False, True, (150, 3, 64)),
+    ("auto", 2, 2, 48, 100, 5, 61, True, True, (70, 40, 2)),
+    ("fp8_ds_mla", 2, 1, 20, 64, 4, 64, True, False, None),
 ]
 
 
@@ -124,26 +138,18 @@ def test_decode_matches_reference(case):
   assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
 
 
-def test_rejects_head_counts_it_does_not_take_in_decode():
-  q = jnp.zeros((1, 1, 20, 512), jnp.bfloat16)
-  cache = jnp.zeros((2, 64, 585), jnp.uint8)  # fp8_model1 block 64: 585-byte rows
-  with pytest.raises(ValueError, match="multiple of 64"):
-    sparse_mla_decode(q, cache, jnp.zeros((1, 1, 4), jnp.int32), kv_cache_dtype="fp8_model1",
-                      implementation="mosaic")
-
-
 @pytest.mark.gpu
-def test_default_picks_mosaic_on_hopper_for_supported_heads():
-  q = jnp.zeros((2, 128, 576), jnp.bfloat16)
+@pytest.mark.parametrize("h_q", [128, 64, 16, 20])
+def test_default_picks_mosaic_on_hopper_for_every_head_count(h_q):
+  q = jnp.zeros((2, h_q, 576), jnp.bfloat16)
   assert _mosaic.default_for(mosaic.check_supported, q) == _mosaic.on_hopper()
-  assert not _mosaic.default_for(mosaic.check_supported, jnp.zeros((2, 20, 576), jnp.bfloat16))
 
 
-def test_rejects_head_counts_it_does_not_take():
-  q = jnp.zeros((2, 20, 576), jnp.bfloat16)
-  with pytest.raises(ValueError, match="multiple of 64"):
-    sparse_mla_prefill(q, jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32),
-                       sm_scale=0.1, implementation="mosaic")
+@pytest.mark.parametrize(("h_q", "blocks"), [(8, (1, 16)), (16, (1, 16)), (20, (1, 32)),
+                                             (32, (1, 32)), (48, (2, 32)), (100, (4, 32))])
+def test_head_blocks(h_q, blocks):
+  """The transposed kernel's head blocks: the fewest of at most 32, a multiple of 16."""
+  assert mosaic_transposed.head_blocks(h_q) == blocks
 
 
 def test_rejects_interpret():

@@ -139,9 +139,8 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
     topk_length: optional integer ``[s_q]``: token ``i`` only uses
       ``indices[i, :topk_length[i]]`` (values are clamped to ``[0, topk]``).
     implementation: ``"triton"`` (old name ``"pallas"``), ``"mosaic"`` (Pallas Mosaic
-      GPU, Hopper, ``h_q`` a multiple of 64) or ``"xla"`` (reference). ``None`` picks
-      Mosaic GPU on a Hopper GPU for the shapes it takes, else Triton on GPU, else the
-      reference.
+      GPU, Hopper; any ``h_q``) or ``"xla"`` (reference). ``None`` picks Mosaic GPU on
+      a Hopper GPU, else Triton on GPU, else the reference.
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
     config: the chosen kernel's tuning, a :class:`jax_mla.sparse_mla.triton.Config` or
       :class:`jax_mla.sparse_mla.mosaic.Config` (``None``: the measured defaults);
@@ -264,9 +263,8 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
       ``kv_cache_dtype``. The one other pair: an ``"fp8_v41"`` main cache with a
       ``"fp4_v41"`` extra cache (FlashMLA's V4.1 pair).
     implementation: ``"triton"`` (old name ``"pallas"``), ``"mosaic"`` (Pallas Mosaic
-      GPU, Hopper, ``h_q`` a multiple of 64, not the V4.1 formats) or ``"xla"``
-      (reference). ``None`` picks Mosaic GPU on a Hopper GPU for the head counts and
-      formats it takes, else Triton on GPU, else the reference.
+      GPU, Hopper; any ``h_q``, every format) or ``"xla"`` (reference). ``None`` picks
+      Mosaic GPU on a Hopper GPU, else Triton on GPU, else the reference.
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
     config: the chosen kernel's tuning (see :func:`sparse_mla_prefill`).
     checks: also check values shapes cannot show (``topk_length`` /

@@ -1,42 +1,25 @@
-"""Pallas Mosaic GPU kernel (Hopper wgmma) for sparse MLA prefill and decode.
+"""Pallas Mosaic GPU kernels (Hopper wgmma) for sparse MLA prefill and decode.
 
 The second backend of :func:`jax_mla.sparse_mla.sparse_mla_prefill` and
 :func:`jax_mla.sparse_mla.sparse_mla_decode` (``implementation="mosaic"``, and the
-default on Hopper GPUs for the shapes it takes). One CTA takes one query token and
-64 of its heads, and three warpgroups:
+default on Hopper GPUs for the shapes it takes). One CTA takes one query token and a
+block of its heads, and three warpgroups: a producer that gathers the token's key
+rows, 64 per step, into a two-stage shared-memory ring of bf16 tiles
+(:mod:`.mosaic_gather`, shared by both kernels), and two consumers that take the
+stages in turns:
 
-- a producer warpgroup loads the 64-head query tile once with TMA, then gathers
-  the token's key rows, 64 per step, into a two-stage shared-memory ring of bf16
-  tiles in the swizzled wgmma layout. Hopper has no gather TMA, so each thread
-  moves 16-byte pieces itself (8 threads per 128-byte tile row, FlashMLA's split):
-  bf16 rows with ``cp.async``; ``fp8_ds_mla`` and ``fp8_model1`` rows by loading the
-  fp8 bytes and their scales into registers, dequantizing, and storing bf16 (the
-  RoPE part, bf16 already, with ``cp.async``); DeepSeek V4.1's ``fp8_v41`` and
-  ``fp4_v41`` rows likewise (Hopper has no fp4 tensor cores: e2m1 codes become bf16
-  by a byte-permute table lookup on the way into shared memory). An invalid index
-  reads nothing and leaves a zero row, so NaN in unused slots never reaches the arithmetic. It also
-  writes each row's validity next to the stage. A decode with an extra key set
-  (DeepSeek V4) gathers the main set's steps, then the extra set's, into the same
-  ring: the consumers see one longer run of keys. Each step's indices were staged
-  in SMEM by the step before (``cp.async``), so only the rows' loads wait on memory
-  (1.14x on the fp8_ds_mla b128 h128 row). Each set has its own format
-  (V4.1 pairs an ``fp8_v41`` main set with an ``fp4_v41`` extra set);
-- two consumer warpgroups each own 256 of the 512 output columns and take the
-  stages in turns: one computes a stage's ``S = Q K^T`` (64 x 64 over the 512 + 64
-  RoPE or 512 columns), masks the invalid columns to ``-inf``, runs the online
-  softmax in base 2 and hands ``P`` to both through SMEM; both multiply ``P`` by
-  their half of ``V`` (the first 512 columns of the same rows)
+- ``h_q`` a multiple of 64 (this module): 64 heads per CTA. The two consumer
+  warpgroups each own 256 of the 512 output columns; one computes a stage's ``S = Q
+  K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), masks the invalid columns to
+  ``-inf``, runs the online softmax in base 2 and hands ``P`` to both through SMEM;
+  both multiply ``P`` by their half of ``V`` (the first 512 columns of the same rows)
   (:func:`jax_mla._mosaic.consume_stages`).
+- any other ``h_q`` (:mod:`.mosaic_transposed`): up to 32 heads per CTA with the keys
+  on the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
+  spent on a head that is not there.
 
-The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad each
-set's ``topk`` to a multiple of 64, so the kernel only tests ``index >= 0``.
-
-Shapes: ``h_q`` a multiple of 64 (other head counts belong to the Triton kernel,
-``implementation="triton"``); everything else the public functions take: prefill
-``d_qk`` 576 or 512, decode in every cache format, with or without the extra set.
-The quantized rows are read at the offsets of the formats' layout objects
-(:mod:`jax_mla.cache.ds_mla`, :mod:`jax_mla.cache.model1`,
-:class:`jax_mla.cache.layout.TileScaled`).
+Shapes: any ``h_q``; everything else the public functions take: prefill ``d_qk`` 576
+or 512, decode in every cache format, with or without the extra set.
 """
 
 from __future__ import annotations
@@ -46,25 +29,26 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import LN2, LOG2E, cdiv
-from jax_mla.cache import e2m1
-from jax_mla.cache.ds_mla import DsMla
-from jax_mla.cache.layout import Format, TileScaled
-from jax_mla.cache.model1 import Model1
-from jax_mla.sparse_mla.layout import valid_slots
+from jax_mla._common import LN2, LOG2E
+from jax_mla.cache.layout import Format
+from jax_mla.sparse_mla import mosaic_transposed
+from jax_mla.sparse_mla.mosaic_gather import (
+  BLOCK_K,
+  D_MAIN,
+  HALF,
+  TILE,
+  dequantized,
+  first_steps,
+  kernel_inputs,
+  produce,
+  swizzled,
+)
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
-BLOCK_K = 64  # gathered key rows per pipeline step
-HALF = 256  # output columns per consumer warpgroup (wgmma N <= 256)
-D_MAIN = 512  # columns held as two 256-wide halves: V, and K's NoPE part
-TILE = 64  # bf16 columns in one 128-byte swizzled tile row
-THREADS_PER_ROW = TILE * 2 // 16  # 16-byte copies per tile row
 # The kernel starts at 168 registers per thread (64K / 384 threads) and setmaxnreg
 # only moves registers between warpgroups (see Config).
 REGISTER_BUDGET = 3 * 168
@@ -108,337 +92,21 @@ def default_config(fmt: Format | None) -> Config:
   (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s; 104 and 120 gave no more). The
   bf16 producer only issues ``cp.async`` copies: 40 registers.
   """
-  if _dequantized(fmt):
+  if dequantized(fmt):
     return Config(consumer_registers=208, producer_registers=88)
   return Config(consumer_registers=232, producer_registers=40)
 
 
-def _dequantized(fmt: Format | None) -> bool:
-  """Whether the producer dequantizes the rows (else it copies bf16 rows)."""
-  return isinstance(fmt, (DsMla, Model1, TileScaled))
-
-
 def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
-  """Raises ``ValueError`` for what this kernel does not take (Triton does): query shapes,
-  and decode caches (formats ``fmts``) other than bf16 ``"auto"``, ``"fp8_ds_mla"``,
-  ``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``."""
-  h_q = q.shape[-2]
-  if h_q % BLOCK_H:
-    raise ValueError(f"the Mosaic GPU sparse MLA kernel needs h_q a multiple of {BLOCK_H} "
-                     f"(got {h_q}); use implementation='triton' for this shape")
+  """Raises ``ValueError`` for what these kernels do not take (Triton does): decode
+  caches (formats ``fmts``) other than bf16 ``"auto"``, ``"fp8_ds_mla"``,
+  ``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``. Every ``q`` shape the public
+  functions take is taken."""
+  del q
   for fmt in fmts:
-    if not (_dequantized(fmt) or fmt.name == "auto"):
+    if not (dequantized(fmt) or fmt.name == "auto"):
       raise ValueError(f"the Mosaic GPU sparse MLA kernel does not read {fmt.name!r} caches; "
                        "use implementation='triton'")
-
-
-def _gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
-               d_qk: int):
-  """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
-
-  ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
-  ``cp.async``),
-  :class:`~jax_mla.cache.ds_mla.DsMla` (656-byte rows) or
-  :class:`~jax_mla.cache.model1.Model1` (rows spread over their cache block) or
-  :class:`~jax_mla.cache.layout.TileScaled` (``fp8_v41`` / ``fp4_v41`` rows, RoPE
-  quantized too), dequantized in registers. ``row_bytes`` is the cache's last axis in bytes (a block
-  is ``block_size`` of them).
-  """
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, memref
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-  groups = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
-  rows_per_thread = BLOCK_K // groups
-
-  def gather(ctx, next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref):
-    """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
-    set's prologue, :func:`_stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
-    step's indices in GMEM and where to stage them (``cp.async``, waited for with the
-    step's copies): the index loads leave the steps' critical path."""
-    del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    i64 = ir.IntegerType.get_signless(64)
-    i8 = ir.IntegerType.get_signless(8)
-    index = ir.IndexType.get()
-    void = ir.Type.parse("!llvm.void")
-    c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
-    c64 = lambda v: mgpu.c(v, i64)  # noqa: E731
-    at = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)  # noqa: E731
-    tid = arith.remui(mgpu.thread_idx(), c32(128))
-    lane = arith.andi(tid, c32(THREADS_PER_ROW - 1))  # 16-byte piece of a 128-byte tile row
-    group = arith.shrui(tid, c32(3))
-    kv_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                 mgpu_utils.memref_ptr(kv_ref))
-    main_base = mgpu_utils.memref_ptr(main_ref)
-    rope_base = mgpu_utils.memref_ptr(rope_ref)
-
-    # A thread's rows differ by 16 = two 8-row tiles, so they share the swizzle
-    # (row % 8 == group % 8) and sit a fixed stride apart in the stage.
-    r8 = arith.andi(group, c32(7))
-    first_tile_row = arith.shrui(group, c32(3))
-
-    def dst(buf, tiles_per_row, col_tile, chunk):
-      """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
-      in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
-      tile = arith.addi(arith.muli(first_tile_row, c32(tiles_per_row)), col_tile)
-      off = arith.addi(arith.muli(tile, c32(8 * 128)),
-                       arith.addi(arith.muli(r8, c32(128)),
-                                  arith.muli(arith.xori(chunk, r8), c32(16))))
-      return at(buf, off)
-
-    row_stride = (groups // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
-    rope_stride = (groups // 8) * 8 * 128
-
-    def main_dst(col_tile: int, chunk):  # main_ref: [2 halves][8 row tiles][4 col tiles][8][64]
-      half, col_tile = divmod(col_tile, HALF // TILE)
-      return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
-
-    thread_rows = [arith.addi(group, c32(r * groups)) for r in range(rows_per_thread)]
-    idxs = [memref.load(staged_ref, [arith.index_cast(index, row)]) for row in thread_rows]
-    next_src = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                  mgpu_utils.memref_ptr(next_idx_ref))
-    next_dst = mgpu_utils.memref_ptr(next_staged_ref)
-    for row in thread_rows:
-      off = arith.muli(row, c32(4))
-      llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
-                      "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
-    rows, scales, oks = [], [], []
-    for row, idx in zip(thread_rows, idxs, strict=True):
-      ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0)),
-                      arith.cmpi(arith.CmpIPredicate.slt, idx, c32(num_slots)))
-      slot = arith.select(ok, idx, c32(0))
-      if isinstance(fmt, Model1):  # data at j * 576 of the block, scales at bs*576 + j*8
-        block = arith.extui(i64, arith.divui(slot, c32(block_size)))
-        j = arith.extui(i64, arith.remui(slot, c32(block_size)))
-        block_at = at(kv_base, arith.muli(block, c64(block_size * row_bytes)))
-        rows.append(at(block_at, arith.muli(j, c64(fmt.data_bytes))))
-        scales.append(at(block_at, arith.addi(arith.muli(j, c64(fmt.scale_bytes)),
-                                              c64(fmt.scale_region(block_size)))))
-      else:  # rows are contiguous across blocks
-        rows.append(at(kv_base, arith.muli(arith.extui(i64, slot), c64(row_bytes))))
-      oks.append(ok)
-      memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
-
-    # bf16 pieces, copied as they are: (this thread's first destination, source byte
-    # offset of tile piece 0, bytes between the thread's rows in the stage).
-    copies = []
-    if not _dequantized(fmt):
-      copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in range(D_MAIN // TILE)]
-    if d_qk > D_MAIN:
-      rope_at = fmt.rope_offset if isinstance(fmt, DsMla) else 2 * D_MAIN
-      copies.append((dst(rope_base, 1, c32(0), lane), rope_at, rope_stride))
-    if isinstance(fmt, Model1):  # the RoPE part is column tile 7 of the 512
-      copies.append((main_dst(fmt.num_tiles, lane), fmt.nope, row_stride))
-    lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
-    for d, src_at, stride in copies:
-      for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
-        nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
-        llvm.inline_asm(void, [at(d, c32(r * stride)), at(src, arith.addi(lane16, c64(src_at))),
-                               nbytes],
-                        "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r",
-                        has_side_effects=True)
-
-    if isinstance(fmt, DsMla):
-      # Thread `lane` holds bytes [lane*16, +16) of each 128-value scale tile k, i.e.
-      # bf16 columns k*128 + lane*16 .. +16: column tile 2k + lane // 4, 16-byte chunks
-      # 2 * (lane % 4) and the next.
-      chunk = arith.muli(arith.andi(lane, c32(3)), c32(2))
-      col_tile = arith.shrui(lane, c32(2))
-      dsts = []
-      for k in range(fmt.num_tiles):
-        half = 2 * k // (HALF // TILE)  # lane // 4 < 2 keeps the half fixed per k
-        ct = arith.addi(col_tile, c32(2 * k - half * (HALF // TILE)))
-        for c in (chunk, arith.addi(chunk, c32(1))):
-          dsts.append(at(dst(main_base, HALF // TILE, ct, c), c32(half * BLOCK_K * HALF * 2)))
-      sources = [(at(row, lane16), at(row, c64(fmt.scale_offset))) for row in rows]
-    elif isinstance(fmt, Model1):
-      # Thread `lane` holds bytes [lane*8, +8) of each 64-value scale tile k: bf16
-      # column tile k, 16-byte chunk `lane`.
-      dsts = [main_dst(k, lane) for k in range(fmt.num_tiles)]
-      lane8 = arith.extui(i64, arith.muli(lane, c32(8)))
-      sources = [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
-    elif isinstance(fmt, TileScaled):
-      # Thread `lane` holds the 16-byte chunk `lane` (8 values) of every bf16 column
-      # tile k, as with Model1: ``fmt.bits`` value bytes at k * 64 * bits / 8 + lane *
-      # bits, scaled by scale byte (k * 64 + lane * 8) // fmt.tile. The asm takes the
-      # lane's part of that byte's bit offset in the row's scale words.
-      dsts = [main_dst(k, lane) for k in range(D_MAIN // TILE)]
-      lane_bytes = arith.extui(i64, arith.muli(lane, c32(fmt.bits)))
-      sources = [(at(row, lane_bytes), at(row, c64(fmt.data_bytes))) for row in rows]
-      lane_shift = [arith.muli(arith.divui(arith.muli(lane, c32(8)), c32(fmt.tile)), c32(8))]
-    if _dequantized(fmt):
-      extra = lane_shift if isinstance(fmt, TileScaled) else []
-      for r, ((data, scale), ok) in enumerate(zip(sources, oks, strict=True)):
-        operands = [data, scale, arith.extui(i32, ok), *extra, *dsts]
-        llvm.inline_asm(void, operands, _dequant_asm(fmt, r * row_stride),
-                        ",".join(["l", "l"] + ["r"] * (len(operands) - 2)),
-                        has_side_effects=True)
-    llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
-
-  return gather
-
-
-def _stage_fn(ctx, idx_ref, staged_ref):
-  """Copies this thread's rows of a set's first 64 indices (GMEM) into SMEM, where the
-  first step of the set reads them (inline Mosaic GPU)."""
-  del ctx
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, memref
-  from jax.experimental.mosaic import gpu as mgpu
-
-  i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-  group = arith.shrui(arith.remui(mgpu.thread_idx(), mgpu.c(128, i32)), mgpu.c(3, i32))
-  groups = 128 // THREADS_PER_ROW
-  for r in range(BLOCK_K // groups):
-    row = arith.index_cast(index, arith.addi(group, mgpu.c(r * groups, i32)))
-    memref.store(memref.load(idx_ref, [row]), staged_ref, [row])
-
-
-def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int) -> str:
-  """PTX that dequantizes one row's share of one thread and stores it as bf16.
-
-  Operands: data address, scale address, valid, then the shared addresses of the
-  thread's 16-byte bf16 pieces in its first row (``row_offset`` bytes are added).
-  An invalid row loads nothing: zeros.
-
-  - ``"fp8_ds_mla"``: 4 x 16 fp8 bytes (one piece of each 128-value tile, 128 bytes
-    apart) and the row's 4 float32 scales; 8 stores (lo/hi half of each piece).
-  - ``"fp8_model1"``: 7 x 8 fp8 bytes (one piece of each 64-value tile, 64 bytes
-    apart) and the row's 8 UE8M0 scale bytes (``2**(e - 127)`` is the float32 with
-    exponent field ``e``); 7 stores.
-  - ``"fp8_v41"`` / ``"fp4_v41"``: see :func:`_tile_scaled_asm`.
-  """
-  if isinstance(fmt, TileScaled):
-    return _tile_scaled_asm(fmt, row_offset)
-  ds_mla = isinstance(fmt, DsMla)
-  # A thread holds 1/8 of each tile (8 threads per 128-byte row): tile / 32 words.
-  words, tiles, tile_bytes = fmt.tile // (4 * THREADS_PER_ROW), fmt.num_tiles, fmt.tile
-  lines = ["{", ".reg .pred p0;", f".reg .b32 x<{words * tiles}>, o<8>, c<2>, t<2>;",
-           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s<4>;", "setp.ne.b32 p0, $2, 0;"]
-  # The row's scales as loaded: 4 float32 (ds_mla), or 8 UE8M0 bytes in two words.
-  scale_regs = ([f"s{i}" for i in range(fmt.num_tiles)] if ds_mla
-                else [f"t{i}" for i in range(fmt.scale_bytes // 4)])
-  lines += [f"mov.b32 {r}, 0;" for r in [f"x{i}" for i in range(words * tiles)] + scale_regs]
-  for k in range(tiles):
-    xs = ", ".join(f"x{words * k + i}" for i in range(words))
-    lines.append(f"@p0 ld.global.nc.v{words}.b32 {{{xs}}}, [$0+{tile_bytes * k}];")
-  lines.append(f"@p0 ld.global.nc.v{len(scale_regs)}.b32 {{{', '.join(scale_regs)}}}, [$1];")
-  for k in range(tiles):
-    scale = f"s{k}"
-    if not ds_mla:  # UE8M0: the code is the float32 exponent field of the scale
-      scale = "s0"
-      lines += [f"bfe.u32 c0, t{k // 4}, {8 * (k % 4)}, 8;", "shl.b32 c0, c0, 23;",
-                "mov.b32 s0, c0;"]
-    for i in range(words):
-      lines += _fp8_to_bf16x2(f"x{words * k + i}", scale, (f"o{2 * i}", f"o{2 * i + 1}"))
-    for piece in range(words // 2):
-      operand = 3 + (words // 2) * k + piece
-      o = ", ".join(f"o{4 * piece + i}" for i in range(4))
-      lines.append(f"st.shared.v4.b32 [${operand}+{row_offset}], {{{o}}};")
-  lines.append("}")
-  return "\n".join(lines)
-
-
-def _fp8_to_bf16x2(word: str, scale: str, outs: tuple[str, str]) -> list[str]:
-  """PTX: 4 e4m3 bytes of ``word`` times float32 ``scale`` -> two bf16x2 registers
-  ``outs`` (the odd column in the high half). Uses registers lo16, hi16, c0, c1,
-  e0-e3, f0-f3."""
-  lines = [f"mov.b32 {{lo16, hi16}}, {word};",
-           "cvt.rn.f16x2.e4m3x2 c0, lo16;", "cvt.rn.f16x2.e4m3x2 c1, hi16;",
-           "mov.b32 {e0, e1}, c0;", "mov.b32 {e2, e3}, c1;"]
-  lines += [f"cvt.f32.f16 f{j}, e{j};" for j in range(4)]
-  lines += [f"mul.f32 f{j}, f{j}, {scale};" for j in range(4)]
-  return lines + [f"cvt.rn.bf16x2.f32 {outs[0]}, f1, f0;", f"cvt.rn.bf16x2.f32 {outs[1]}, f3, f2;"]
-
-
-def _e2m1_tables() -> tuple[int, int, int, int]:
-  """``prmt`` tables of the bf16 bits of e2m1 magnitudes 0..7: (low bytes of codes 0-3,
-  of codes 4-7, high bytes of codes 0-3, of codes 4-7) as little-endian words."""
-  with jax.ensure_compile_time_eval():
-    mags = np.asarray(e2m1.values(jnp.arange(8, dtype=jnp.int32)))
-  bits = mags.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
-  word = lambda b: int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)  # noqa: E731
-  lo, hi = bits & 0xFF, bits >> 8
-  return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
-
-
-def _tile_scaled_asm(fmt: TileScaled, row_offset: int) -> str:
-  """PTX for one row of an ``fp8_v41`` / ``fp4_v41`` cache (see :func:`_dequant_asm`).
-
-  Operands: data address (lane's bytes of column tile 0), scale address, valid, the
-  lane's bit offset in the scale words, then the 8 shared addresses of chunk ``lane``
-  of column tiles 0..7. The row's value bytes of each tile (8 fp8 or 4 e2m1 bytes, 8
-  values) and all its scale bytes are loaded; each 8-value chunk is one 16-byte store.
-
-  - fp8 (UE8M0 scale per 32 values): as ``"fp8_model1"``.
-  - fp4 (e4m3 scale per 16 values): ``prmt`` looks the low and high byte of each
-    magnitude's bf16 up in two 8-byte tables (the 3 magnitude bits of a code are the
-    byte index), a second ``prmt`` interleaves them into bf16 pairs, the sign bit is
-    moved into bit 15 of each half, and one ``mul.rn.bf16x2`` by the scale finishes
-    (exact: 2 and 4 significant bits).
-  """
-  fp4 = fmt.bits == 4
-  tiles = D_MAIN // TILE
-  words = fmt.bits * 8 // 32  # data words of one chunk: 2 (fp8) or 1 (fp4)
-  scale_words = fmt.num_tiles // 4
-  per_tile = TILE // fmt.tile  # scale bytes of one column tile: 2 or 4
-  xs = [f"x{i}" for i in range(words * tiles)]
-  ts = [f"t{i}" for i in range(scale_words)]
-  lines = ["{", ".reg .pred p0;",
-           f".reg .b32 {', '.join(xs + ts)}, o<4>, c<2>, sc;",
-           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s0;", "setp.ne.b32 p0, $2, 0;"]
-  if fp4:
-    lines += [".reg .b32 tab<4>, tl, th, sg, sa, sb, m16, m15;"]
-    lines += [f"mov.b32 tab{i}, {w:#x};" for i, w in enumerate(_e2m1_tables())]
-    lines += ["mov.b32 m16, 0xffff;", "mov.b32 m15, 0x80008000;"]
-  lines += [f"mov.b32 {r}, 0;" for r in xs + ts]
-  load = "ld.global.nc.b32" if words == 1 else f"ld.global.nc.v{words}.b32"
-  for k in range(tiles):
-    regs = ", ".join(xs[words * k:words * (k + 1)])
-    lines.append(f"@p0 {load} {{{regs}}}, [$0+{k * TILE * fmt.bits // 8}];"
-                 if words > 1 else f"@p0 {load} {regs}, [$0+{k * TILE * fmt.bits // 8}];")
-  for w in range(0, scale_words, 4):
-    lines.append(f"@p0 ld.global.nc.v4.b32 {{{', '.join(ts[w:w + 4])}}}, [$1+{4 * w}];")
-  for k in range(tiles):
-    byte = k * per_tile  # the tile's first scale byte; the lane adds $3 bits
-    lines += [f"shr.b32 c0, t{byte // 4}, $3;", f"bfe.u32 c0, c0, {8 * (byte % 4)}, 8;"]
-    if fp4:  # e4m3 scale -> bf16 in both halves
-      lines += ["mov.b32 {lo16, hi16}, c0;", "cvt.rn.f16x2.e4m3x2 c1, lo16;",
-                "mov.b32 {e0, e1}, c1;", "cvt.f32.f16 s0, e0;", "cvt.rn.bf16x2.f32 sc, s0, s0;"]
-      x = xs[k]
-      for half in range(2):  # values 4 * half .. + 3
-        sel = x if half == 0 else "c0"
-        if half:
-          lines.append(f"shr.b32 c0, {x}, 16;")
-        lines += [f"and.b32 c0, {sel}, 0x7777;",  # the magnitude bits of 4 codes
-                  "prmt.b32 tl, tab0, tab1, c0;", "prmt.b32 th, tab2, tab3, c0;",
-                  f"prmt.b32 o{2 * half}, tl, th, 0x5140;",  # values 0, 1 of the four
-                  f"prmt.b32 o{2 * half + 1}, tl, th, 0x7362;"]  # values 2, 3
-      for p in range(4):  # value 2p's sign (bit 8p + 3) -> 15, 2p + 1's (8p + 7) -> 31
-        lo_shift, hi_shift = 12 - 8 * p, 24 - 8 * p
-        lines.append(f"shl.b32 sa, {x}, {lo_shift};" if lo_shift >= 0
-                     else f"shr.b32 sa, {x}, {-lo_shift};")
-        lines.append(f"shl.b32 sb, {x}, {hi_shift};")
-        lines += ["lop3.b32 sg, sa, sb, m16, 0xE4;",  # (sa & m16) | (sb & ~m16)
-                  f"lop3.b32 o{p}, o{p}, sg, m15, 0xF8;",  # o | (sg & 0x80008000)
-                  f"mul.rn.bf16x2 o{p}, o{p}, sc;"]
-    else:  # UE8M0: the code is the float32 exponent field of the scale
-      lines += ["shl.b32 c0, c0, 23;", "mov.b32 s0, c0;"]
-      for i in range(words):
-        lines += _fp8_to_bf16x2(xs[words * k + i], "s0", (f"o{2 * i}", f"o{2 * i + 1}"))
-    lines.append(f"st.shared.v4.b32 [${4 + k}+{row_offset}], {{o0, o1, o2, o3}};")
-  lines.append("}")
-  return "\n".join(lines)
-
-
-def _wait_copies(ctx):
-  del ctx
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.wait_all;", "",
-                  has_side_effects=True)
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale):
@@ -448,9 +116,6 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats, p_stats = smem
-  # valid: [num_stages] rows of key validity, then 2 rows where the producer stages
-  # the indices of its next step.
-  staged = lambda j: valid.at[config.num_stages + lax.rem(j, 2)]  # noqa: E731
   q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   t = lax.axis_index("t")
   h0 = lax.axis_index("h") * BLOCK_H
@@ -458,9 +123,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   r0 = t * h_q + h0
   # The sets' steps run back to back in one softmax: set k's rows are steps
   # first[k] .. first[k + 1] - 1.
-  first = [0]
-  for k in range(num_sets):
-    first.append(first[-1] + lax.div(len_ref[k, t] + (BLOCK_K - 1), BLOCK_K))
+  first = first_steps(len_ref, t, num_sets)
   steps = first[-1]
   has_rope = d_qk > D_MAIN
 
@@ -516,100 +179,41 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   def _producer():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
     rows = pl.ds(r0, BLOCK_H)
-    for h in range(2):
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h], q_bar)
+    q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
     if has_rope:
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope, q_bar)
-    plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem, q_bar)
-
-    swizzled = plgpu.RefType(_swizzled(plgpu))
-    arg_types = (plgpu.RefType(), plgpu.RefType(), swizzled, swizzled, plgpu.RefType(),
-                 plgpu.RefType(), plgpu.RefType())
-    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_stage_fn)
-    wait_copies = plgpu.inline_mgpu()(_wait_copies)
-
-    def ready(i):
-      # Each thread waits for its own copies; the fence orders them before wgmma's
-      # (async-proxy) reads; the arrival (all 128 threads count as one) publishes them.
-      wait_copies()
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(kv_bar.at[lax.rem(i, config.num_stages)])
-
-    for k, (gather_fn, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
-                                                          strict=True)):
-      gather = plgpu.inline_mgpu(arg_types=arg_types)(gather_fn)
-      # The set's first step reads indices staged here; each step stages the next's.
-      stage(idx_ref.at[t, pl.ds(0, BLOCK_K)], staged(first[k]))
-
-      @pl.loop(first[k], first[k + 1])
-      def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref):
-        slot = lax.rem(i, config.num_stages)
-
-        # Stage i - 1 landed while the consumers worked on i - 2: publish it before
-        # waiting for slot i's previous reader, so the consumers never wait on an issue.
-        @pl.when(i >= 1)
-        def _():
-          ready(i - 1)
-
-        @pl.when(i >= config.num_stages)
-        def _():
-          plgpu.barrier_wait(free_bar.at[slot])
-
-        # The set's last step has no next: it restages its own indices (same values).
-        has_next = (i + 1 < first[k + 1]).astype(jnp.int32)
-        nxt = i - first[k] + has_next
-        gather(idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
-               kv_rope.at[slot], valid.at[slot], staged(i), staged(i + has_next))
-
-    @pl.when(steps >= 1)
-    def _():
-      ready(steps - 1)
+      q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
+    q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
+    produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+            kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
+            barriers=(q_bar, kv_bar, free_bar), first=first)
 
 
-def _swizzled(plgpu):
-  return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-
-
-def _clean_indices(indices, lengths, num_slots):
-  """``indices[T, topk]`` -> ``[T, topk padded to 64]`` with every unusable entry ``-1``."""
-  topk = indices.shape[1]
-  indices = jnp.pad(indices, ((0, 0), (0, cdiv(topk, BLOCK_K) * BLOCK_K - topk)),
-                    constant_values=-1)
-  return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
-
-
-def _attend(q, sets, attn_sink, *, fmts, sm_scale, config):
-  """The kernel over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
+def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
+  """The kernels over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
 
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
   block_size, width]`` holds bf16 latents or the bytes of its format in ``fmts`` (one
-  per set; see :func:`_gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
+  per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
   topk]``. Returns
   ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
+  if q.shape[1] % BLOCK_H:
+    return mosaic_transposed.attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
+                                    config=config)
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
-  gathers, all_indices, all_lengths, all_rows = [], [], [], []
-  for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
-    num_blocks, block_size, width = cache.shape
-    num_slots = num_blocks * block_size
-    lengths = jnp.clip(lengths, 0, indices.shape[1])
-    all_indices.append(_clean_indices(indices, lengths, num_slots))
-    all_lengths.append(lengths)
-    all_rows.append(cache.reshape(num_slots, width))
-    gathers.append(_gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
-                              row_bytes=width * cache.dtype.itemsize, d_qk=d_qk))
+  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk)
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
 
-  swizzled = _swizzled(plgpu)
+  tiles = swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages)
   smem = (
-      plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((config.num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((config.num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((config.num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((config.num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((config.num_stages + 2, BLOCK_K), jnp.int32),
       plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
@@ -640,7 +244,7 @@ def _attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       # is blockIdx.x): they gather the same rows, which L2 then serves once.
       grid=(tokens, h_q // BLOCK_H), grid_names=("t", "h"), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(jnp.stack(all_lengths), q.reshape(n, d_qk), sink, *all_indices, *all_rows)
+  )(lengths, q.reshape(n, d_qk), sink, *all_indices, *all_rows)
   return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
           lse.reshape(tokens, h_q))
 
@@ -653,7 +257,7 @@ def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Conf
   ``[h_q]`` float32 or None, ``lengths`` ``[s_q]`` int32. Returns ``(out, max_logits,
   lse)``.
   """
-  return _attend(q, [(kv[:, None], indices, lengths)], attn_sink, fmts=(None,),
+  return attend(q, [(kv[:, None], indices, lengths)], attn_sink, fmts=(None,),
                  sm_scale=sm_scale, config=config)
 
 
@@ -666,4 +270,4 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
   lse)`` over ``T``.
   """
-  return _attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config)
+  return attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config)

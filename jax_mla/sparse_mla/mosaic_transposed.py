@@ -1,0 +1,275 @@
+"""Pallas Mosaic GPU sparse MLA kernel for head counts that are not a multiple of 64.
+
+Tensor parallelism leaves a GPU 8, 16 or 32 of DeepSeek's 128 query heads. A wgmma's M
+side is 64 rows, so putting the heads there (:mod:`.mosaic`) would spend 75% of the
+tensor-core rows on heads that are not there. This kernel puts the 64 keys of a step
+on the M side instead and the heads on N (a multiple of 16):
+
+- ``S^T = K Q^T`` (64 keys x heads, over the 512 + 64 RoPE or 512 columns), masked,
+  and the online softmax down each column (base 2);
+- ``O^T += V^T P^T``: each of the two consumer warpgroups owns 256 of the 512 output
+  rows of ``O^T``.
+
+One CTA takes one query token and a block of at most 32 heads (:func:`head_blocks`);
+the producer warpgroup and its ring of gathered bf16 key stages are the other
+kernel's (:func:`jax_mla.sparse_mla.mosaic_gather.produce`). The consumers take the
+stages in turns as there (:func:`jax_mla._mosaic.consume_stages`): stage ``i``'s
+``S^T`` and softmax run in warpgroup ``i % 2``, which hands ``P^T`` (bf16, its own SMEM
+tile per stage) and the columns' rescale factor to both. The column reductions cross
+the warps of a warpgroup through one shared SMEM scratch, so the softmaxes of the two
+warpgroups are serialised: a warpgroup publishes its stage's max only after its sums.
+
+The output leaves as ``O^T`` ``[T, 512, heads]``; the wrapper transposes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_mla import _mosaic
+from jax_mla._common import LN2, LOG2E, cdiv
+from jax_mla.sparse_mla.mosaic_gather import (
+  BLOCK_K,
+  D_MAIN,
+  HALF,
+  TILE,
+  first_steps,
+  kernel_inputs,
+  produce,
+  swizzled,
+)
+
+MAX_HEADS = 32  # per CTA: each consumer's accumulator is 256 x heads float32
+HEAD_ALIGN = 16  # heads per CTA are a multiple of this (wgmma N)
+# Per-head float32 vectors cross between SMEM and GMEM in rows of at least 32 (TMA copies
+# by a warpgroup move a multiple of 128 bytes).
+MIN_ROW = 32
+
+
+def head_blocks(h_q: int) -> tuple[int, int]:
+  """``(blocks, heads)``: the fewest blocks of at most 32 heads covering ``h_q``, each
+  ``heads`` wide (a multiple of 16; the last block's padding heads are zero queries)."""
+  blocks = cdiv(h_q, MAX_HEADS)
+  return blocks, cdiv(cdiv(h_q, blocks), HEAD_ALIGN) * HEAD_ALIGN
+
+
+def _p_tiles(plgpu):
+  """``P^T`` ``[64 keys, heads]``: wgmma's B operand with the heads (N) contiguous."""
+  return (plgpu.TilingTransform((8, HEAD_ALIGN)), plgpu.SwizzleTransform(2 * HEAD_ALIGN))
+
+
+def _consume(plgpu, *, wg, q_main, q_rope, k_main, k_rope, p_t, valid, steps, barriers,
+             shared, scale):
+  """One consumer warpgroup's loop; returns ``(acc^T [256, heads], m, l)`` per column."""
+  q_bar, kv_bar, free_bar, done_bar = barriers
+  stats, ready = shared
+  num_stages = k_main.shape[0]
+  heads = q_main.shape[1]
+  p_ready = lambda slot: ready.at[slot]  # noqa: E731
+  m_ready = lambda w: ready.at[num_stages + w]  # noqa: E731
+  own_ready = lambda w: ready.at[num_stages + 2 + w]  # noqa: E731
+  m_at = lambda w: stats.at[num_stages + w]  # noqa: E731  max published last by w
+  l_at = lambda w: stats.at[num_stages + 2 + w]  # noqa: E731  w's partial sum ...
+  u_at = lambda w: stats.at[num_stages + 4 + w]  # noqa: E731  ... relative to this max
+  col = _mosaic.col_layout(plgpu)
+  load = lambda ref: plgpu.load(ref, (), layout=col, optimized=False)  # noqa: E731
+  acc = plgpu.layout_cast(jnp.zeros((HALF, heads), jnp.float32), plgpu.Layout.WGMMA)
+  minus_inf = plgpu.layout_cast(jnp.full((heads,), -jnp.inf, jnp.float32), col)
+
+  l_at(wg)[...] = plgpu.layout_cast(jnp.zeros((heads,), jnp.float32), col)
+  u_at(wg)[...] = minus_inf
+  plgpu.barrier_arrive(own_ready(wg))
+  plgpu.barrier_wait(own_ready(wg))
+
+  @pl.when(wg == 1)
+  def _():
+    m_at(1)[...] = minus_inf
+    plgpu.barrier_arrive(m_ready(1))
+
+  plgpu.barrier_wait(q_bar)
+
+  def step(i, acc):
+    slot = lax.rem(i, num_stages)
+    mine = lax.rem(i, 2)
+
+    @pl.when(wg == mine)
+    def _scores():
+      plgpu.barrier_wait(kv_bar.at[slot])
+
+      def qk(s_ref):
+        for h in range(2):
+          plgpu.wgmma(s_ref, k_main.at[slot, h], q_main.at[h].transpose((1, 0)))
+        if q_rope is not None:
+          plgpu.wgmma(s_ref, k_rope.at[slot], q_rope.transpose((1, 0)))
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_K, heads), jnp.float32))
+      ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
+      s = jnp.where(lax.broadcast_in_dim(ok, s.shape, [0]) != 0, s, -jnp.inf)
+      # The other warpgroup's softmax (and its use of the reduction scratch) is over.
+      plgpu.barrier_wait(m_ready(1 - mine))
+      m_prev = load(m_at(1 - mine))
+      m_new = jnp.maximum(m_prev, s.max(axis=0) * scale)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no key yet
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [1]))
+      l_at(mine)[...] = load(l_at(mine)) * jnp.exp2(load(u_at(mine)) - m_use) + p.sum(axis=0)
+      u_at(mine)[...] = m_use
+      p_t.at[slot].transpose((1, 0))[...] = plgpu.layout_cast(  # stored as P [heads, 64]
+          p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+      stats.at[slot][...] = jnp.exp2(m_prev - m_use)
+      m_at(mine)[...] = m_new
+      plgpu.commit_smem()  # P^T is read by wgmma (the async proxy)
+      plgpu.barrier_arrive(m_ready(mine))
+      plgpu.barrier_arrive(p_ready(slot))
+
+    @pl.when(wg != mine)
+    def _():
+      plgpu.barrier_wait(kv_bar.at[slot])
+
+    plgpu.barrier_wait(p_ready(slot))
+    alpha = load(stats.at[slot])
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, k_main.at[slot, wg].transpose((1, 0)), p_t.at[slot].transpose((1, 0)))
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(free_bar.at[slot])
+    return acc
+
+  acc = lax.fori_loop(0, steps, step, acc)
+  plgpu.barrier_arrive(done_bar)
+  plgpu.barrier_wait(done_bar)
+  m = load(m_at(lax.rem(steps + 1, 2)))
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  l = sum(load(l_at(w)) * jnp.exp2(load(u_at(w)) - m_use) for w in range(2))
+  return acc, m, l
+
+
+def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
+            scale):
+  """``refs``: the sets' indices, then their caches, then the outputs (``O^T``
+  ``[T, 512, h_pad]``, max logits and LSE ``[T * blocks, max(heads, 32)]``), the SMEM
+  refs and the barriers."""
+  num_sets = len(gathers)
+  idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
+  o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
+  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, p_t, o_t, stats, p_stats = smem
+  q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
+  t = lax.axis_index("t")
+  h0 = lax.axis_index("h") * heads
+  wg = lax.axis_index("wg")
+  r0 = t * h_pad + h0
+  first = first_steps(len_ref, t, num_sets)
+  has_rope = d_qk > D_MAIN
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(config.consumer_registers, action="increase")
+    acc, m, l = _consume(
+        plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
+        k_rope=kv_rope, p_t=p_t, valid=valid, steps=first[-1],
+        barriers=(q_bar, kv_bar, free_bar, done_bar), shared=(p_stats, p_ready), scale=scale)
+    empty, l_safe = _mosaic.empty_rows(l)
+    lse2 = m + jnp.log2(l_safe)
+    sink = plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
+                      optimized=False)
+    # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
+    inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
+    o_t.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(o_t.dtype)
+
+    @pl.when(wg == 0)
+    def _():
+      max_logits = jnp.where(jnp.isnan(l), jnp.nan, m * LN2)
+      stats.at[0, pl.ds(0, heads)][...] = jnp.where(empty, -jnp.inf, max_logits)
+
+    @pl.when(wg == 1)
+    def _():
+      stats.at[1, pl.ds(0, heads)][...] = jnp.where(empty, jnp.inf, lse2 * LN2)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_t.at[wg], o_ref.at[t, pl.ds(wg * HALF, HALF), pl.ds(h0, heads)])
+    block = t * lax.axis_size("h") + lax.axis_index("h")
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[block])
+
+    @pl.when(wg == 1)
+    def _():
+      plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[block])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
+    rows = pl.ds(r0, heads)
+    q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
+    if has_rope:
+      q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
+    q_copies.append((sink_ref.at[pl.ds(h0, sink_smem.shape[0])], sink_smem))
+    produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+            kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
+            barriers=(q_bar, kv_bar, free_bar), first=first)
+
+
+def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
+  """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` not a multiple of 64."""
+  plgpu = _mosaic.plgpu()
+  tokens, h_q, d_qk = q.shape
+  blocks, heads = head_blocks(h_q)
+  h_pad = blocks * heads
+  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk)
+  sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
+          else attn_sink.astype(jnp.float32))
+  q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
+  row = max(heads, MIN_ROW)
+  sink = jnp.pad(sink, (0, h_pad - h_q + row - heads), constant_values=-jnp.inf)
+
+  tiles = swizzled(plgpu)
+  rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
+  num_stages = config.num_stages
+  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, heads, num_stages)
+  smem = (
+      plgpu.SMEM((2, heads, HALF), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((heads, rope), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((num_stages + 2, BLOCK_K), jnp.int32),
+      plgpu.SMEM((row,), jnp.float32),
+      plgpu.SMEM((num_stages, heads, BLOCK_K), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((2, HALF, heads), jnp.bfloat16),
+      plgpu.SMEM((2, row), jnp.float32),
+      shared_smem,
+  )
+  q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
+  barriers = (
+      plgpu.Barrier(num_arrivals=q_copies),
+      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # stage gathered (producer)
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # stage free: both consumers
+      plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      shared_barrier,
+  )
+  kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
+                             config=config, gathers=gathers, scale=sm_scale * LOG2E)
+
+  def entry(*refs):
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                  barriers, collective_axes="wg")
+
+  out_type = (jax.ShapeDtypeStruct((tokens, D_MAIN, h_pad), jnp.bfloat16),
+              jax.ShapeDtypeStruct((tokens * blocks, row), jnp.float32),
+              jax.ShapeDtypeStruct((tokens * blocks, row), jnp.float32))
+  out_t, max_logits, lse = plgpu.kernel(
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
+      grid=(tokens, blocks), grid_names=("t", "h"), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(lengths, q.reshape(tokens * h_pad, d_qk), sink, *all_indices, *all_rows)
+  per_head = lambda x: x[:, :heads].reshape(tokens, h_pad)[:, :h_q]  # noqa: E731
+  return out_t[:, :, :h_q].transpose(0, 2, 1), per_head(max_logits), per_head(lse)
