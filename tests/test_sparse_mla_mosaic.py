@@ -168,6 +168,23 @@ def test_config_register_rule():
     mosaic.Config(num_stages=3)
   with pytest.raises(ValueError, match="multiples of 8"):
     mosaic.Config(consumer_registers=210, producer_registers=84)
+  # Two producers (the transposed kernel's default): four warpgroups share 512.
+  assert mosaic.register_budget(2) == 512
+  assert mosaic.default_config(None, 16).producers == 2
+  assert mosaic.default_config(None, 64).producers == 1
+  with pytest.raises(ValueError, match="512 or the kernel hangs"):
+    mosaic.Config(consumer_registers=104, producer_registers=144, producers=2)
+  with pytest.raises(ValueError, match="num_stages 2"):
+    mosaic.Config(num_stages=1, consumer_registers=104, producer_registers=152, producers=2)
+
+
+def test_two_producers_need_the_transposed_kernel():
+  q = jnp.zeros((2, 64, 576), jnp.bfloat16)
+  cfg = mosaic.Config(consumer_registers=104, producer_registers=152, producers=2)
+  with pytest.raises(ValueError, match="one producer"):
+    mosaic.attend(q, [(jnp.zeros((1, 8, 576), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32),
+                       jnp.full((2,), 4, jnp.int32))], None, fmts=(None,), sm_scale=0.1,
+                  config=cfg)
 
 
 @pytest.mark.gpu

@@ -106,11 +106,11 @@ def _implementation(q, implementation: Implementation, interpret: bool,
   return impl
 
 
-def _config(config, impl: str, fmt: Format | None):
+def _config(config, impl: str, fmt: Format | None, h_q: int):
   """The backend's ``Config``: the user's, or the heuristic; the reference takes none."""
   return backend_config(
       impl, config,
-      mosaic=(mosaic.Config, lambda cfg: cfg or mosaic.default_config(fmt)),
+      mosaic=(mosaic.Config, lambda cfg: cfg or mosaic.default_config(fmt, h_q)),
       triton=(triton.Config, lambda cfg: cfg or triton.default_config(decode=fmt is not None)))
 
 
@@ -180,7 +180,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
   topk_length = _lengths("topk_length", topk_length, s_q)
   sm_scale = _sm_scale(sm_scale)
   impl = _implementation(q, implementation, interpret)
-  config = _config(config, impl, None)
+  config = _config(config, impl, None, h_q)
   _check_length_values(checks, "topk_length", topk_length, indices.shape[1])
   return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale, d_v=d_v, impl=impl,
                   config=config, interpret=interpret)
@@ -307,7 +307,7 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   sm_scale = d_qk ** -0.5 if sm_scale is None else _sm_scale(sm_scale)
   impl = _implementation(q, implementation, interpret,
                          (fmt,) if extra_fmt is None else (fmt, extra_fmt))
-  config = _config(config, impl, fmt)
+  config = _config(config, impl, fmt, h_q)
   _check_length_values(checks, "topk_length", topk_length, indices.shape[-1])
   if has_extra:
     _check_length_values(checks, "extra_topk_length", extra_topk_length,

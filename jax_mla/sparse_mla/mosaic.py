@@ -49,49 +49,69 @@ from jax_mla.sparse_mla.mosaic_gather import (
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
-# The kernel starts at 168 registers per thread (64K / 384 threads) and setmaxnreg
-# only moves registers between warpgroups (see Config).
-REGISTER_BUDGET = 3 * 168
+# Each warpgroup starts with an equal share of the 64K registers (168 per thread with
+# three, 128 with four) and setmaxnreg only moves registers between them (see Config).
+def register_budget(producers: int) -> int:
+  """The registers per thread that ``2 * consumer + producers * producer`` must total."""
+  warpgroups = 2 + producers
+  return warpgroups * (65536 // (128 * warpgroups) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tuning of the Mosaic GPU sparse MLA kernel (results do not depend on it).
+  """Tuning of the Mosaic GPU sparse MLA kernels (results do not depend on it).
 
   Attributes:
     num_stages: key stages in the shared-memory ring; 72 KiB query + 2 x 72 KiB key
       stages fill the 227 KiB of SMEM, so 1 or 2.
     consumer_registers, producer_registers: registers per thread of each of the two
-      consumer warpgroups and of the producer (``setmaxnreg``: multiples of 8 in
-      [24, 256]). ``2 * consumer + producer`` must be 504: setmaxnreg only moves
-      registers between warpgroups, and the consumers' increase waits forever for
-      registers nobody frees (a hang seen with 224 / 64).
+      consumer warpgroups and of each producer (``setmaxnreg``: multiples of 8 in
+      [24, 256]). ``2 * consumer + producers * producer`` must be
+      :func:`register_budget` (504 with one producer, 512 with two): setmaxnreg only
+      moves registers between warpgroups, and the consumers' increase waits forever
+      for registers nobody frees (a hang seen with 224 / 64).
+    producers: producer warpgroups, each gathering every ``producers``-th step (its own
+      step's loads in flight); 2 needs ``num_stages`` 2 and the transposed kernel (``h_q``
+      not a multiple of 64), whose consumers need fewer registers.
   """
   num_stages: int = 2
   consumer_registers: int = 208
   producer_registers: int = 88
+  producers: int = 1
 
   def __post_init__(self):
     if self.num_stages not in (1, 2):
       raise ValueError(f"num_stages must be 1 or 2 (shared memory); got {self.num_stages}")
+    if self.producers not in (1, 2) or self.num_stages % self.producers:
+      raise ValueError(f"producers must be 1, or 2 with num_stages 2; got {self.producers} "
+                       f"with num_stages {self.num_stages}")
     regs = (self.consumer_registers, self.producer_registers)
     if any(r % 8 or not 24 <= r <= 256 for r in regs):
       raise ValueError(f"register counts must be multiples of 8 in [24, 256]; got {regs}")
-    if 2 * self.consumer_registers + self.producer_registers != REGISTER_BUDGET:
+    budget = register_budget(self.producers)
+    if 2 * self.consumer_registers + self.producers * self.producer_registers != budget:
       raise ValueError(
-          f"2 * consumer_registers + producer_registers must be {REGISTER_BUDGET} or the "
-          f"kernel hangs; got 2 * {self.consumer_registers} + {self.producer_registers}")
+          f"2 * consumer_registers + {self.producers} * producer_registers must be {budget} "
+          f"or the kernel hangs; got 2 * {self.consumer_registers} + {self.producers} * "
+          f"{self.producer_registers}")
 
 
-def default_config(fmt: Format | None) -> Config:
+def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows; a decode's
-  main set decides for its extra set, which is quantized too when the main set is).
+  main set decides for its extra set, which is quantized too when the main set is) and
+  ``h_q`` heads.
 
-  The consumers hold a 64 x 256 float32 accumulator. The fp8 producer is
-  latency-bound: at 88 registers it keeps more rows' loads in flight than at 56
-  (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s; 104 and 120 gave no more). The
-  bf16 producer only issues ``cp.async`` copies: 40 registers.
+  The producers are latency-bound. Head-block kernel (``h_q`` a multiple of 64): the
+  consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer
+  keeps more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210
+  TFLOP/s; 104 and 120 gave no more). The bf16 producer only issues ``cp.async``
+  copies: 40 registers. Transposed kernel: the consumers' accumulators are at most 256
+  x 32, which leaves registers for two producers.
   """
+  if h_q % BLOCK_H:
+    if dequantized(fmt):
+      return Config(consumer_registers=104, producer_registers=152, producers=2)
+    return Config(consumer_registers=200, producer_registers=56, producers=2)
   if dequantized(fmt):
     return Config(consumer_registers=208, producer_registers=88)
   return Config(consumer_registers=232, producer_registers=40)
@@ -200,6 +220,9 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   if q.shape[1] % BLOCK_H:
     return mosaic_transposed.attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
                                     config=config)
+  if config.producers != 1:
+    raise ValueError(f"the Mosaic GPU kernel for h_q a multiple of {BLOCK_H} runs one "
+                     f"producer; got Config(producers={config.producers})")
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk)
@@ -214,7 +237,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((config.num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((config.num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
-      plgpu.SMEM((config.num_stages + 2, BLOCK_K), jnp.int32),
+      plgpu.SMEM((config.num_stages + 2, BLOCK_K), jnp.int32),  # one producer
       plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
       shared_smem,

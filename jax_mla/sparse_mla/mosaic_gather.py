@@ -93,27 +93,35 @@ def first_steps(len_ref, t, num_sets: int):
 
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope, valid,
-            barriers, first):
-  """The producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
+            barriers, first, producer: int = 0, producers: int = 1):
+  """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
+
+  With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with ``i %
+  producers == p`` into ring slot ``i % stages`` (so ``stages`` is a multiple of
+  ``producers``): each has its own step's loads in flight.
 
   Args:
     t: the token.
     q_copies: ``(src, dst)`` pairs copied with TMA onto the query barrier (the query
-      tiles and the sink).
+      tiles and the sink) by producer 0.
     gathers: one :func:`gather_fn` per key set; ``idx_refs``, ``kv_refs``: the sets'
       cleaned indices ``[T, topk]`` and cache rows.
     kv_main, kv_rope: the SMEM ring ``[stages, 2, 64, 256]`` and ``[stages, 64, rope]``.
-    valid: SMEM int32 ``[stages + 2, 64]``: each stage's key validity (written here),
-      then two rows where each step stages the next step's indices.
+    valid: SMEM int32 ``[stages + 2 * producers, 64]``: each stage's key validity
+      (written here), then two rows per producer where each of its steps stages the
+      indices of its next.
     barriers: ``(q_bar, kv_bar, free_bar)``: query loaded; stage loaded (one per
       stage); stage free (one per stage).
     first: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (traced).
+    producer, producers: this producer's index and their number.
   """
   q_bar, kv_bar, free_bar = barriers
   num_stages = kv_main.shape[0]
-  staged = lambda j: valid.at[num_stages + lax.rem(j, 2)]  # noqa: E731
-  for src, dst in q_copies:
-    plgpu.copy_gmem_to_smem(src, dst, q_bar)
+  staged = lambda j: valid.at[  # noqa: E731  this producer's steps alternate two rows
+      num_stages + 2 * producer + lax.rem(lax.div(j, producers), 2)]
+  if producer == 0:
+    for src, dst in q_copies:
+      plgpu.copy_gmem_to_smem(src, dst, q_bar)
 
   swizzled_ref = plgpu.RefType(swizzled(plgpu))
   arg_types = (plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref, plgpu.RefType(),
@@ -131,34 +139,39 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
   for k, (gather_fn_k, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
                                                         strict=True)):
     gather = plgpu.inline_mgpu(arg_types=arg_types)(gather_fn_k)
-    # The set's first step reads indices staged here; each step stages the next's.
-    stage(idx_ref.at[t, pl.ds(0, BLOCK_K)], staged(first[k]))
+    start = first[k] + lax.rem(producer - lax.rem(first[k], producers) + producers, producers)
+    # The set's first step of this producer reads indices staged here (a producer with
+    # no step in the set stages a block of it that exists); each step stages its next's.
+    block = jnp.maximum(jnp.minimum(start, first[k + 1] - 1) - first[k], 0)
+    stage(idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)], staged(start))
 
-    @pl.loop(first[k], first[k + 1])
+    @pl.loop(start, first[k + 1], step=producers)
     def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref):
       slot = lax.rem(i, num_stages)
 
-      # Stage i - 1 landed while the consumers worked on i - 2: publish it before
-      # waiting for slot i's previous reader, so the consumers never wait on an issue.
-      @pl.when(i >= 1)
+      # This producer's previous step landed while the consumers worked: publish it
+      # before waiting for slot i's previous reader, so the consumers never wait on an
+      # issue.
+      @pl.when(i >= producers)
       def _():
-        ready(i - 1)
+        ready(i - producers)
 
       @pl.when(i >= num_stages)
       def _():
         plgpu.barrier_wait(free_bar.at[slot])
 
       # The set's last step has no next: it restages its own indices (same values).
-      has_next = (i + 1 < first[k + 1]).astype(jnp.int32)
-      nxt = i - first[k] + has_next
+      has_next = (i + producers < first[k + 1]).astype(jnp.int32)
+      nxt = i - first[k] + producers * has_next
       gather(idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
-             kv_rope.at[slot], valid.at[slot], staged(i), staged(i + has_next))
+             kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next))
 
   steps = first[-1]
+  last = steps - 1 - lax.rem(steps - 1 - producer + producers, producers)  # its last step
 
-  @pl.when(steps >= 1)
+  @pl.when(steps > producer)
   def _():
-    ready(steps - 1)
+    ready(last)
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,

@@ -19,7 +19,9 @@ tile per stage) and the columns' rescale factor to both. The column reductions c
 the warps of a warpgroup through one shared SMEM scratch, so the softmaxes of the two
 warpgroups are serialised: a warpgroup publishes its stage's max only after its sums.
 
-The output leaves as ``O^T`` ``[T, 512, heads]``; the wrapper transposes it.
+``P^T`` and the output ``O^T`` go to SMEM transposed (``[heads, 64]`` and ``[heads, 256]``
+tiles, the 128-byte-swizzled layout of the ring: wgmma needs both operands' swizzles
+equal), so the output leaves as ``O`` like the other kernel's.
 """
 
 from __future__ import annotations
@@ -153,13 +155,13 @@ def _consume(plgpu, *, wg, q_main, q_rope, k_main, k_rope, p_t, valid, steps, ba
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
             scale):
-  """``refs``: the sets' indices, then their caches, then the outputs (``O^T``
-  ``[T, 512, h_pad]``, max logits and LSE ``[T * blocks, max(heads, 32)]``), the SMEM
+  """``refs``: the sets' indices, then their caches, then the outputs (``O``
+  ``[T * h_pad, 512]``, max logits and LSE ``[T * blocks, max(heads, 32)]``), the SMEM
   refs and the barriers."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
-  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, p_t, o_t, stats, p_stats = smem
+  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, p_t, stats, p_stats = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   t = lax.axis_index("t")
   h0 = lax.axis_index("h") * heads
@@ -181,7 +183,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
                       optimized=False)
     # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
     inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
-    o_t.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(o_t.dtype)
+    # Both consumers are done with Q: its halves stage O (O^T stored transposed).
+    o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
+    q_main.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
 
     @pl.when(wg == 0)
     def _():
@@ -193,7 +197,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       stats.at[1, pl.ds(0, heads)][...] = jnp.where(empty, jnp.inf, lse2 * LN2)
 
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_t.at[wg], o_ref.at[t, pl.ds(wg * HALF, HALF), pl.ds(h0, heads)])
+    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[pl.ds(r0, heads), pl.ds(wg * HALF, HALF)])
     block = t * lax.axis_size("h") + lax.axis_index("h")
 
     @pl.when(wg == 0)
@@ -206,17 +210,20 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 2)
-  def _producer():
-    plgpu.set_max_registers(config.producer_registers, action="decrease")
-    rows = pl.ds(r0, heads)
-    q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
-    if has_rope:
-      q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
-    q_copies.append((sink_ref.at[pl.ds(h0, sink_smem.shape[0])], sink_smem))
-    produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
-            kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-            barriers=(q_bar, kv_bar, free_bar), first=first)
+  rows = pl.ds(r0, heads)
+  q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
+  if has_rope:
+    q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
+  q_copies.append((sink_ref.at[pl.ds(h0, sink_smem.shape[0])], sink_smem))
+  for p in range(config.producers):
+
+    @pl.when(wg == 2 + p)
+    def _producer(p=p):
+      plgpu.set_max_registers(config.producer_registers, action="decrease")
+      produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+              kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
+              barriers=(q_bar, kv_bar, free_bar), first=first, producer=p,
+              producers=config.producers)
 
 
 def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
@@ -241,10 +248,9 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       plgpu.SMEM((heads, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
-      plgpu.SMEM((num_stages + 2, BLOCK_K), jnp.int32),
+      plgpu.SMEM((num_stages + 2 * config.producers, BLOCK_K), jnp.int32),
       plgpu.SMEM((row,), jnp.float32),
       plgpu.SMEM((num_stages, heads, BLOCK_K), jnp.bfloat16, transforms=tiles),
-      plgpu.SMEM((2, HALF, heads), jnp.bfloat16),
       plgpu.SMEM((2, row), jnp.float32),
       shared_smem,
   )
@@ -263,13 +269,15 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
                   barriers, collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((tokens, D_MAIN, h_pad), jnp.bfloat16),
+  out_type = (jax.ShapeDtypeStruct((tokens * h_pad, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((tokens * blocks, row), jnp.float32),
               jax.ShapeDtypeStruct((tokens * blocks, row), jnp.float32))
-  out_t, max_logits, lse = plgpu.kernel(
+  out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
-      grid=(tokens, blocks), grid_names=("t", "h"), num_threads=3, thread_name="wg",
+      grid=(tokens, blocks), grid_names=("t", "h"), num_threads=2 + config.producers,
+      thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q.reshape(tokens * h_pad, d_qk), sink, *all_indices, *all_rows)
   per_head = lambda x: x[:, :heads].reshape(tokens, h_pad)[:, :h_q]  # noqa: E731
-  return out_t[:, :, :h_q].transpose(0, 2, 1), per_head(max_logits), per_head(lse)
+  out = out.reshape(tokens, h_pad, D_MAIN)[:, :h_q]
+  return out, per_head(max_logits), per_head(lse)
