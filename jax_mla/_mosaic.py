@@ -40,6 +40,21 @@ def out_type_kwarg(plgpu_mod) -> str:
   return "out_type" if "out_type" in params else "out_shape"
 
 
+def register_share(warpgroups: int) -> int:
+  """Registers per thread each warpgroup starts with: an equal share of the SM's 64K
+  (168 with three warpgroups, 128 with four); ``setmaxnreg`` then moves registers
+  between them: a target above the share increases, below it decreases."""
+  return 65536 // (128 * warpgroups) // 8 * 8
+
+
+def set_registers(plgpu_mod, registers: int, warpgroups: int) -> None:
+  """``setmaxnreg`` to ``registers`` in a kernel of ``warpgroups`` (the direction is
+  relative to :func:`register_share`; ptxas rejects a "decrease" that increases)."""
+  share = register_share(warpgroups)
+  if registers != share:
+    plgpu_mod.set_max_registers(registers, action="increase" if registers > share else "decrease")
+
+
 def on_hopper() -> bool:
   """Whether ``implementation=None`` may pick a Mosaic GPU kernel: a Hopper GPU, a jax
   the kernels were checked on (0.11), and Mosaic GPU importable."""

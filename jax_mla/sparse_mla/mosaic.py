@@ -49,12 +49,11 @@ from jax_mla.sparse_mla.mosaic_gather import (
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
-# Each warpgroup starts with an equal share of the 64K registers (168 per thread with
-# three, 128 with four) and setmaxnreg only moves registers between them (see Config).
 def register_budget(producers: int) -> int:
-  """The registers per thread that ``2 * consumer + producers * producer`` must total."""
-  warpgroups = 2 + producers
-  return warpgroups * (65536 // (128 * warpgroups) // 8 * 8)
+  """The registers per thread that ``2 * consumer + producers * producer`` must total:
+  each warpgroup starts with an equal share (:func:`jax_mla._mosaic.register_share`)
+  and setmaxnreg only moves registers between them (see Config)."""
+  return (2 + producers) * _mosaic.register_share(2 + producers)
 
 
 @dataclasses.dataclass(frozen=True)

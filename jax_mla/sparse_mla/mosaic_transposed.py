@@ -172,7 +172,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(config.consumer_registers, action="increase")
+    _mosaic.set_registers(plgpu, config.consumer_registers, 2 + config.producers)
     acc, m, l = _consume(
         plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
         k_rope=kv_rope, p_t=p_t, valid=valid, steps=first[-1],
@@ -219,7 +219,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     @pl.when(wg == 2 + p)
     def _producer(p=p):
-      plgpu.set_max_registers(config.producer_registers, action="decrease")
+      _mosaic.set_registers(plgpu, config.producer_registers, 2 + config.producers)
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, producer=p,
