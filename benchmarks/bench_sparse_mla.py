@@ -51,7 +51,7 @@ class Prefill:
   d_qk: int
   s_kv: int
   sink: bool
-  anchor: float  # FlashMLA TFLOP/s on the H100
+  anchor: float | None  # FlashMLA TFLOP/s on the H100 (None: measured side by side only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,16 @@ V41_ROWS = {
     for h in (128, 64)
     for fmt, extra in (("fp8_v41", "fp8_v41"), ("fp8_v41", "fp4_v41"), ("fp4_v41", "fp4_v41"))
 }
+# Tensor-parallel head counts (DeepSeek V3.2 with TP 8 or 4: 16 or 32 of 128 heads per
+# GPU). FlashMLA takes only 64 or 128 heads: side by side it runs padded to 64 (zero
+# queries in the extra heads) and its first h_q heads are compared with ours.
+TP_ROWS = {
+    "decode_ds_b128_h16": Decode("fp8_ds_mla", 128, 2, 16, 2048, 64, None, None, 32768, None),
+    "decode_ds_b128_h32": Decode("fp8_ds_mla", 128, 2, 32, 2048, 64, None, None, 32768, None),
+    "decode_m1_h16": Decode("fp8_model1", 256, 2, 16, 128, 256, 512, 64, 8192, None),
+    "prefill_v32_h16": Prefill(4096, 16, 2048, 576, 32768, True, None),
+}
+FLASHMLA_HEADS = 64  # the fewest FlashMLA's Hopper kernels take
 # Not an anchor row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
 EXTRA_ROWS = {
     "decode_ds_b128_1g": Decode("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 16384, 395.0),
@@ -257,20 +267,48 @@ def _prefill_call(spec: Prefill, **kw):
       q, kv, idx, sm_scale=spec.d_qk ** -0.5, attn_sink=sink, **kw)
 
 
+def _padded_heads(spec, sets):
+  """``sets`` with the queries (and sinks) padded to FlashMLA's 64 heads (zero queries,
+  ``-inf`` sinks), and the function that keeps the first ``h_q`` heads of its outputs."""
+  pad = FLASHMLA_HEADS - spec.h_q
+  if pad <= 0:
+    return sets, None
+  head_axis = 1 if isinstance(spec, Prefill) else 2
+  widths = [(0, 0)] * (head_axis + 2)
+  widths[head_axis] = (0, pad)
+
+  def pad_set(q, *rest):
+    rest = list(rest)
+    sink_at = 2  # (kv, idx, sink) or (cache, idx, sink, extra cache, extra idx)
+    if rest[sink_at] is not None:
+      rest[sink_at] = jnp.pad(rest[sink_at], (0, pad), constant_values=-jnp.inf)
+    return (jnp.pad(q, widths), *rest)
+
+  def keep(outs):
+    h = spec.h_q
+    if isinstance(spec, Prefill):  # out [s_q, h, d], max_logits and lse [s_q, h]
+      return tuple(x[:, :h] for x in outs)
+    return outs[0][:, :, :h], outs[1][:, :h]  # out [b, s_q, h, d], lse [b, h, s_q]
+
+  return [pad_set(*s) for s in sets], keep
+
+
 def side_by_side(fm, name: str, spec, sets, flop: float) -> Row:
   """The public op (its default kernel) and FlashMLA on the same input sets with the
-  same timer (benchmarks/flashmla_peer.py), after comparing their outputs."""
+  same timer (benchmarks/flashmla_peer.py), after comparing their outputs. Head counts
+  FlashMLA does not take run padded to 64 heads on its side (:func:`_padded_heads`)."""
+  peer_sets, keep = _padded_heads(spec, sets)
   if isinstance(spec, Prefill):
     ours = jax.jit(_prefill_call(spec))
-    theirs = [flashmla_peer.sparse_prefill(fm, *s, spec.d_qk ** -0.5) for s in sets]
+    theirs = [flashmla_peer.sparse_prefill(fm, *s, spec.d_qk ** -0.5) for s in peer_sets]
     lse_at = 2
   else:
     ours = jax.jit(_decode_call(spec))
     meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes
     theirs = [flashmla_peer.sparse_decode(fm, meta, *s, kv_cache_dtype=spec.dtype)
-              for s in sets]
+              for s in peer_sets]
     lse_at = 1
-  us, peer_us = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at)
+  us, peer_us = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at, keep=keep)
   return Row("sparse_mla vs FlashMLA", name, us, flop / us / 1e6, "TFLOP/s",
              flop / peer_us / 1e6, flashmla_peer.NAME, device_name())
 
@@ -317,10 +355,12 @@ def run(rows=ROWS, *, only_side_by_side: bool = False) -> list[Row]:
       us = time_us(fn, sets, reps=10)
       if spec.anchor is not None:
         out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", spec.anchor, "FlashMLA", dev))
-      else:  # no peer: bytes read per second against copy bandwidth
+      elif isinstance(spec, Decode):  # bytes read per second against copy bandwidth
         out.append(Row(op, name, us, _bytes_read(spec) / us / 1e6, "TB/s", COPY_TB_S,
                        "copy bandwidth", dev))
-    if fm is not None and spec.anchor is not None:
+      else:  # a prefill row whose peer is measured side by side only
+        out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", None, "", dev))
+    if fm is not None and (spec.anchor is not None or name in TP_ROWS):
       out.append(side_by_side(fm, name, spec, sets, flop))
     del sets
   return out
@@ -364,7 +404,8 @@ def main():
   ap.add_argument("--triton-configs", default="",
                   help="block_h:block_k:num_warps:num_stages,... (Triton config= sweep)")
   ap.add_argument("--mosaic-configs", default="",
-                  help="num_stages:consumer_registers:producer_registers,... (Mosaic GPU)")
+                  help="num_stages:consumer_registers:producer_registers[:producers],... "
+                       "(Mosaic GPU)")
   ap.add_argument("--side-by-side", action="store_true",
                   help="only the rows timed beside FlashMLA (benchmarks/flashmla_peer.py)")
   ap.add_argument("--small", action="store_true",
@@ -374,12 +415,13 @@ def main():
   ok = True
   if args.check or args.small:
     ok = check(small=args.small)
-  every = {**ROWS, **V41_ROWS, **EXTRA_ROWS}
+  every = {**ROWS, **TP_ROWS, **V41_ROWS, **EXTRA_ROWS}
   rows = {r: every[r] for r in args.rows.split(",") if r}
   configs = (_configs(args.triton_configs, triton.Config,
                       ("block_h", "block_k", "num_warps", "num_stages"))
              + _configs(args.mosaic_configs, mosaic.Config,
-                        ("num_stages", "consumer_registers", "producer_registers")))
+                        ("num_stages", "consumer_registers", "producer_registers",
+                         "producers")[:len(args.mosaic_configs.split(",")[0].split(":"))]))
   if configs:
     print_table(sweep(rows, configs))
   else:

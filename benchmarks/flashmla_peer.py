@@ -85,13 +85,18 @@ def from_torch(t):
   return to_jax(t.contiguous())
 
 
-def compare_and_time(name: str, ours, theirs, sets, lse_at: int) -> tuple[float, float]:
+def compare_and_time(name: str, ours, theirs, sets, lse_at: int, keep=None
+                     ) -> tuple[float, float]:
   """``ours`` (a jitted op over a set) against ``theirs`` (one FlashMLA call per set):
-  outputs compared on the first set (``out`` asserted, ``lse`` at ``lse_at`` printed),
-  then both timed by ``time_calls_us``. Returns (our us, FlashMLA us) per call."""
-  got, peer = ours(*sets[0]), theirs[0]()
-  check_close(f"{name}: ours vs FlashMLA out", got[0], from_torch(peer[0]))
-  lse_err = rel_err(got[lse_at], from_torch(peer[lse_at]))
+  outputs compared on the first set (``out`` asserted, ``lse`` at ``lse_at`` printed;
+  ``keep``, where given, selects the part of FlashMLA's outputs that is ours: its
+  padding heads dropped), then both timed by ``time_calls_us``. Returns (our us,
+  FlashMLA us) per call."""
+  got, peer = ours(*sets[0]), [from_torch(t) for t in theirs[0]()]
+  if keep is not None:
+    peer = keep(peer)
+  check_close(f"{name}: ours vs FlashMLA out", got[0], peer[0])
+  lse_err = rel_err(got[lse_at], peer[lse_at])
   us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
   peer_us = time_calls_us(theirs, sync_torch)
   print(f"side by side {name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "

@@ -168,14 +168,43 @@ def test_config_register_rule():
     mosaic.Config(num_stages=3)
   with pytest.raises(ValueError, match="multiples of 8"):
     mosaic.Config(consumer_registers=210, producer_registers=84)
-  # Two producers (the transposed kernel's default): four warpgroups share 512.
+  # Two producers (the transposed kernel's option): four warpgroups share 512.
   assert mosaic.register_budget(2) == 512
-  assert mosaic.default_config(None, 16).producers == 2
-  assert mosaic.default_config(None, 64).producers == 1
+  assert mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
+  assert mosaic.default_config(None, 16) == mosaic.Config(consumer_registers=176,
+                                                          producer_registers=152)
   with pytest.raises(ValueError, match="512 or the kernel hangs"):
     mosaic.Config(consumer_registers=104, producer_registers=144, producers=2)
   with pytest.raises(ValueError, match="num_stages 2"):
     mosaic.Config(num_stages=1, consumer_registers=104, producer_registers=152, producers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_two_producers(d_qk):
+  """The transposed kernel with two producer warpgroups (Config.producers) and an odd
+  number of steps, so the producers' step counts differ."""
+  rng = np.random.default_rng(7)
+  q, kv, idx = _case(rng, S_Q, 16, d_qk, S_KV, 190)
+  lengths = jnp.asarray([190, 0, 77, 190, 3, 64, 65, 1], jnp.int32)
+  cfg = mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
+  _check(q, kv, idx, topk_length=lengths, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [DECODE_CASES[-4], DECODE_CASES[-5]], ids=["m1-x", "ds"])
+def test_two_producers_decode(case):
+  """Two producers across the main and extra sets (3 + 4 steps: the set boundary falls
+  between the producers' turns) and on one set."""
+  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
+  cfg = mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
+  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", config=cfg, **kw)
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
+  assert rel_err(out, r_out) < 1e-2
+  empty = np.isposinf(r_lse)
+  np.testing.assert_array_equal(np.isposinf(lse), empty)
+  np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
 
 
 def test_two_producers_need_the_transposed_kernel():

@@ -104,13 +104,13 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer
   keeps more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210
   TFLOP/s; 104 and 120 gave no more). The bf16 producer only issues ``cp.async``
-  copies: 40 registers. Transposed kernel: the consumers' accumulators are at most 256
-  x 32, which leaves registers for two producers.
+  copies: 40 registers. Transposed kernel (H100, fp8_ds_mla b128 h16 row): one producer
+  at 152 registers, 234 us; two producers need the consumers at 168 or fewer, where
+  they slow down more than the second producer gains (285 us at 168 / 88, 412 us at
+  104 / 152); the bf16 prefill h16 row likewise (2204 us vs 2277 us).
   """
   if h_q % BLOCK_H:
-    if dequantized(fmt):
-      return Config(consumer_registers=104, producer_registers=152, producers=2)
-    return Config(consumer_registers=200, producer_registers=56, producers=2)
+    return Config(consumer_registers=176, producer_registers=152)
   if dequantized(fmt):
     return Config(consumer_registers=208, producer_registers=88)
   return Config(consumer_registers=232, producer_registers=40)
