@@ -48,9 +48,10 @@ def _nan_unused(rows, idx):
 
 
 def sparse_prefill(impl):
+  """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads)."""
   rng = np.random.default_rng(0)
-  for d_qk in (576, 512):
-    s_q, h_q, s_kv, topk = 5, 128, 300, 150
+  for d_qk, h_q in ((576, 128), (512, 128), (576, 24)):
+    s_q, s_kv, topk = 5, 300, 150
     idx = _bad_indices(rng, (s_q, topk), s_kv)
     kv = _nan_unused(rng.standard_normal((s_kv, d_qk)).astype(np.float32) / 3, idx)
     q = rng.standard_normal((s_q, h_q, d_qk)) / 3
@@ -65,13 +66,15 @@ QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1
 
 
 def sparse_decode(impl):
-  """Each format, the V4 / V4.1 ones with an extra set (V4.1: also fp8 main + fp4 extra)."""
+  """Each format, the V4 / V4.1 ones with an extra set (V4.1: also fp8 main + fp4 extra);
+  64 heads, and 16 on the first two (Mosaic GPU: the transposed kernel)."""
   rng = np.random.default_rng(1)
-  b, s_q, h_q = 2, 2, 64
-  for fmt, extra_fmt, d_qk, bs, extra_bs in (
-      ("fp8_ds_mla", None, 576, 64, None), ("fp8_model1", "fp8_model1", 512, 64, 2),
-      ("fp8_v41", "fp8_v41", 512, 64, 2), ("fp8_v41", "fp4_v41", 512, 64, 2),
-      ("fp4_v41", None, 512, 16, None)):
+  b, s_q = 2, 2
+  for fmt, extra_fmt, d_qk, bs, extra_bs, h_q in (
+      ("fp8_ds_mla", None, 576, 64, None, 64), ("fp8_model1", "fp8_model1", 512, 64, 2, 64),
+      ("fp8_v41", "fp8_v41", 512, 64, 2, 64), ("fp8_v41", "fp4_v41", 512, 64, 2, 64),
+      ("fp4_v41", None, 512, 16, None, 64), ("fp8_ds_mla", None, 576, 64, None, 16),
+      ("fp8_model1", "fp8_model1", 512, 64, 2, 16)):
     def cache(num_blocks, block_size, topk, fmt, d_qk=d_qk):
       idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)
       rows = _nan_unused(rng.standard_normal((num_blocks * block_size, d_qk)).astype(np.float32),
