@@ -94,7 +94,7 @@ def shared_scratch(plgpu_mod, rows: int, num_stages: int):
 
 
 def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, shared,
-                   mask, scale: float):
+                   mask, scale: float, p_t=None):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
   (dense decode and sparse MLA; call after ``set_max_registers``).
 
@@ -114,12 +114,21 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   and the rescale factor into the slot's row of ``stats``: both are free again when
   the stage is.
 
+  Transposed (``p_t`` given; the sparse kernel for head counts that are not a multiple
+  of 64): the keys are wgmma's M side, ``S^T = K Q^T`` ``[keys, heads]``, the softmax
+  runs down the columns and ``O^T += V^T P^T``. ``P^T`` goes to ``p_t``'s slot, stored
+  transposed (wgmma wants both operands in the ring's 128-byte swizzle). The column
+  reductions cross warps through Pallas' one SMEM reduction scratch, which both
+  warpgroups would share: a warpgroup waits for the other's max before its own
+  reductions and publishes its max only after its sums, so they never overlap.
+
   Args:
     wg: this consumer's index (``lax.axis_index("wg")``).
     q_main, q_rope: SMEM ``[2, rows, 256]`` and ``[rows, rope]`` queries (``q_rope``
-      None: no RoPE columns).
+      None: no RoPE columns); ``rows`` are heads.
     k_main, k_rope: SMEM rings ``[stages, 2, keys, 256]`` and ``[stages, keys, rope]``;
-      ``k_rope`` holds ``P`` after ``S`` (``rope == rows``), also when ``q_rope`` is None.
+      ``k_rope`` holds ``P`` after ``S`` (``rope == rows``), also when ``q_rope`` is None
+      (not when transposed).
     steps: key stages to consume (traced).
     barriers: ``(q_bar, kv_bar, free_bar, done_bar)``: query loaded, stage loaded (one
       per stage), stage free (one per stage, both consumers arrive), both consumers done
@@ -130,13 +139,16 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
       overlaps the wait; it returns the function that sets the float32 scores of absent
       keys to ``-inf``.
     scale: the softmax scale times ``log2(e)``.
+    p_t: None, or (transposed) the SMEM ``[stages, rows, keys]`` tiles of ``P``.
 
   Returns:
     ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
-    may then stage the output: the float32 accumulator ``[rows, 256]``, the row max
-    (scaled base-2 units) and sum. Finish with :func:`empty_rows`.
+    may then stage the output: the float32 accumulator ``[rows, 256]`` (transposed:
+    ``[256, rows]``), the row max (scaled base-2 units) and sum (per head, in the
+    layout of a reduced axis of ``acc``). Finish with :func:`empty_rows`.
   """
   plgpu = plgpu_mod
+  transposed = p_t is not None
   q_bar, kv_bar, free_bar, done_bar = barriers
   stats, ready = shared
   num_stages, _, keys, half = k_main.shape
@@ -147,9 +159,12 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   m_at = lambda w: stats.at[num_stages + w]  # noqa: E731  max published last by w
   l_at = lambda w: stats.at[num_stages + 2 + w]  # noqa: E731  w's partial sum ...
   u_at = lambda w: stats.at[num_stages + 4 + w]  # noqa: E731  ... relative to this max
-  row = row_layout(plgpu)
+  # Per-head vectors: reduced over the keys, axis 0 of S^T or axis 1 of S.
+  row = (col_layout if transposed else row_layout)(plgpu)
+  keys_axis, heads_dim = (0, 1) if transposed else (1, 0)
   load = lambda ref: plgpu.load(ref, (), layout=row, optimized=False)  # noqa: E731
-  acc = plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA)
+  acc_shape = (half, rows) if transposed else (rows, half)
+  acc = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
   minus_inf = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row)
 
   # Stage 0's computing warpgroup (0) reads the max "published by 1 before it": -inf.
@@ -179,25 +194,45 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
 
       def qk(s_ref):
         for h in range(2):
-          plgpu.wgmma(s_ref, q_main.at[h], k_main.at[slot, h].transpose((1, 0)))
+          if transposed:
+            plgpu.wgmma(s_ref, k_main.at[slot, h], q_main.at[h].transpose((1, 0)))
+          else:
+            plgpu.wgmma(s_ref, q_main.at[h], k_main.at[slot, h].transpose((1, 0)))
         if q_rope is not None:
-          plgpu.wgmma(s_ref, q_rope, k_rope.at[slot].transpose((1, 0)))
+          if transposed:
+            plgpu.wgmma(s_ref, k_rope.at[slot], q_rope.transpose((1, 0)))
+          else:
+            plgpu.wgmma(s_ref, q_rope, k_rope.at[slot].transpose((1, 0)))
         return s_ref[...]
 
-      s = apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
-      row_max = s.max(axis=1) * scale  # the scale folds into the exp2's FMA below
+      s_shape = (keys, rows) if transposed else (rows, keys)
+      s = apply_mask(pl.run_scoped(qk, plgpu.ACC(s_shape, jnp.float32)))
+      if not transposed:
+        row_max = s.max(axis=keys_axis) * scale  # the scale folds into the exp2's FMA
       plgpu.barrier_wait(m_ready(1 - mine))
       m_prev = load(m_at(1 - mine))
+      if transposed:  # the other warpgroup is done with the reduction scratch
+        row_max = s.max(axis=keys_axis) * scale
       m_new = jnp.maximum(m_prev, row_max)
-      m_at(mine)[...] = m_new
-      plgpu.barrier_arrive(m_ready(mine))  # the next stage's softmax may start
+      if not transposed:
+        m_at(mine)[...] = m_new
+        plgpu.barrier_arrive(m_ready(mine))  # the next stage's softmax may start
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
-      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l_at(mine)[...] = load(l_at(mine)) * jnp.exp2(load(u_at(mine)) - m_use) + p.sum(axis=1)
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [heads_dim]))
+      l_at(mine)[...] = (load(l_at(mine)) * jnp.exp2(load(u_at(mine)) - m_use)
+                         + p.sum(axis=keys_axis))
       u_at(mine)[...] = m_use
-      k_rope.at[slot][...] = p.astype(jnp.bfloat16)  # S is done: the RoPE tile is dead
+      if transposed:  # stored as P [rows, keys]
+        p_t.at[slot].transpose((1, 0))[...] = plgpu.layout_cast(
+            p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+      else:
+        k_rope.at[slot][...] = p.astype(jnp.bfloat16)  # S is done: the RoPE tile is dead
       stats.at[slot][...] = jnp.exp2(m_prev - m_use)
+      if transposed:
+        m_at(mine)[...] = m_new
       plgpu.commit_smem()  # P is read by wgmma (the async proxy)
+      if transposed:
+        plgpu.barrier_arrive(m_ready(mine))
       plgpu.barrier_arrive(p_ready(slot))
 
     @pl.when(wg != mine)
@@ -206,10 +241,14 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
 
     plgpu.barrier_wait(p_ready(slot))
     alpha = load(stats.at[slot])
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [heads_dim])
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, k_rope.at[slot], k_main.at[slot, wg])
+      if transposed:
+        plgpu.wgmma(acc_ref, k_main.at[slot, wg].transpose((1, 0)),
+                    p_t.at[slot].transpose((1, 0)))
+      else:
+        plgpu.wgmma(acc_ref, k_rope.at[slot], k_main.at[slot, wg])
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(free_bar.at[slot])

@@ -65,94 +65,6 @@ def _p_tiles(plgpu):
   return (plgpu.TilingTransform((8, HEAD_ALIGN)), plgpu.SwizzleTransform(2 * HEAD_ALIGN))
 
 
-def _consume(plgpu, *, wg, q_main, q_rope, k_main, k_rope, p_t, valid, steps, barriers,
-             shared, scale):
-  """One consumer warpgroup's loop; returns ``(acc^T [256, heads], m, l)`` per column."""
-  q_bar, kv_bar, free_bar, done_bar = barriers
-  stats, ready = shared
-  num_stages = k_main.shape[0]
-  heads = q_main.shape[1]
-  p_ready = lambda slot: ready.at[slot]  # noqa: E731
-  m_ready = lambda w: ready.at[num_stages + w]  # noqa: E731
-  own_ready = lambda w: ready.at[num_stages + 2 + w]  # noqa: E731
-  m_at = lambda w: stats.at[num_stages + w]  # noqa: E731  max published last by w
-  l_at = lambda w: stats.at[num_stages + 2 + w]  # noqa: E731  w's partial sum ...
-  u_at = lambda w: stats.at[num_stages + 4 + w]  # noqa: E731  ... relative to this max
-  col = _mosaic.col_layout(plgpu)
-  load = lambda ref: plgpu.load(ref, (), layout=col, optimized=False)  # noqa: E731
-  acc = plgpu.layout_cast(jnp.zeros((HALF, heads), jnp.float32), plgpu.Layout.WGMMA)
-  minus_inf = plgpu.layout_cast(jnp.full((heads,), -jnp.inf, jnp.float32), col)
-
-  l_at(wg)[...] = plgpu.layout_cast(jnp.zeros((heads,), jnp.float32), col)
-  u_at(wg)[...] = minus_inf
-  plgpu.barrier_arrive(own_ready(wg))
-  plgpu.barrier_wait(own_ready(wg))
-
-  @pl.when(wg == 1)
-  def _():
-    m_at(1)[...] = minus_inf
-    plgpu.barrier_arrive(m_ready(1))
-
-  plgpu.barrier_wait(q_bar)
-
-  def step(i, acc):
-    slot = lax.rem(i, num_stages)
-    mine = lax.rem(i, 2)
-
-    @pl.when(wg == mine)
-    def _scores():
-      plgpu.barrier_wait(kv_bar.at[slot])
-
-      def qk(s_ref):
-        for h in range(2):
-          plgpu.wgmma(s_ref, k_main.at[slot, h], q_main.at[h].transpose((1, 0)))
-        if q_rope is not None:
-          plgpu.wgmma(s_ref, k_rope.at[slot], q_rope.transpose((1, 0)))
-        return s_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_K, heads), jnp.float32))
-      ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
-      s = jnp.where(lax.broadcast_in_dim(ok, s.shape, [0]) != 0, s, -jnp.inf)
-      # The other warpgroup's softmax (and its use of the reduction scratch) is over.
-      plgpu.barrier_wait(m_ready(1 - mine))
-      m_prev = load(m_at(1 - mine))
-      m_new = jnp.maximum(m_prev, s.max(axis=0) * scale)
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no key yet
-      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [1]))
-      l_at(mine)[...] = load(l_at(mine)) * jnp.exp2(load(u_at(mine)) - m_use) + p.sum(axis=0)
-      u_at(mine)[...] = m_use
-      p_t.at[slot].transpose((1, 0))[...] = plgpu.layout_cast(  # stored as P [heads, 64]
-          p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
-      stats.at[slot][...] = jnp.exp2(m_prev - m_use)
-      m_at(mine)[...] = m_new
-      plgpu.commit_smem()  # P^T is read by wgmma (the async proxy)
-      plgpu.barrier_arrive(m_ready(mine))
-      plgpu.barrier_arrive(p_ready(slot))
-
-    @pl.when(wg != mine)
-    def _():
-      plgpu.barrier_wait(kv_bar.at[slot])
-
-    plgpu.barrier_wait(p_ready(slot))
-    alpha = load(stats.at[slot])
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, k_main.at[slot, wg].transpose((1, 0)), p_t.at[slot].transpose((1, 0)))
-
-    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(free_bar.at[slot])
-    return acc
-
-  acc = lax.fori_loop(0, steps, step, acc)
-  plgpu.barrier_arrive(done_bar)
-  plgpu.barrier_wait(done_bar)
-  m = load(m_at(lax.rem(steps + 1, 2)))
-  m_use = jnp.where(m == -jnp.inf, 0.0, m)
-  l = sum(load(l_at(w)) * jnp.exp2(load(u_at(w)) - m_use) for w in range(2))
-  return acc, m, l
-
-
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
             scale):
   """``refs``: the sets' indices, then their caches, then the outputs (``O``
@@ -173,10 +85,19 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   @pl.when(wg < 2)
   def _consumer():
     _mosaic.set_registers(plgpu, config.consumer_registers, 2 + config.producers)
-    acc, m, l = _consume(
+    def mask(i, slot):
+      del i
+
+      def apply(s):  # the producer wrote each key's validity beside the stage
+        ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
+        return jnp.where(lax.broadcast_in_dim(ok, s.shape, [0]) != 0, s, -jnp.inf)
+
+      return apply
+
+    acc, m, l = _mosaic.consume_stages(
         plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-        k_rope=kv_rope, p_t=p_t, valid=valid, steps=first[-1],
-        barriers=(q_bar, kv_bar, free_bar, done_bar), shared=(p_stats, p_ready), scale=scale)
+        k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
+        shared=(p_stats, p_ready), mask=mask, scale=scale, p_t=p_t)
     empty, l_safe = _mosaic.empty_rows(l)
     lse2 = m + jnp.log2(l_safe)
     sink = plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
