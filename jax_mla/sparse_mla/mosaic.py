@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import LN2, LOG2E
+from jax_mla._common import LOG2E
 from jax_mla.cache.layout import Format
 from jax_mla.sparse_mla import mosaic_transposed
 from jax_mla.sparse_mla.mosaic_gather import (
@@ -129,8 +129,8 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale):
-  """``gathers``: one ``_gather_fn`` per key set; ``refs``: the sets' indices, then their
-  caches, then the outputs, the SMEM refs and the barriers."""
+  """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``refs``: the sets'
+  indices, then their caches, then the outputs, the SMEM refs and the barriers."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -148,7 +148,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(config.consumer_registers, action="increase")
+    _mosaic.set_registers(plgpu, config.consumer_registers, 3)
 
     def mask(i, slot):
       del i
@@ -165,20 +165,17 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         shared=(p_stats, p_ready), mask=mask, scale=scale)
 
     # Both consumers are done with Q: its halves become the output staging.
-    empty, l_safe = _mosaic.empty_rows(l)
-    lse2 = m + jnp.log2(l_safe)
     sink = plgpu.load(sink_smem, (), layout=_mosaic.row_layout(plgpu), optimized=False)
-    # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
-    inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
+    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
     @pl.when(wg == 0)
     def _():
-      stats.at[0][...] = jnp.where(empty, -jnp.inf, jnp.where(jnp.isnan(l), jnp.nan, m * LN2))
+      stats.at[0][...] = max_logits
 
     @pl.when(wg == 1)
     def _():
-      stats.at[1][...] = jnp.where(empty, jnp.inf, lse2 * LN2)
+      stats.at[1][...] = lse
 
     plgpu.commit_smem()
     rows = pl.ds(r0, BLOCK_H)
@@ -196,7 +193,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(config.producer_registers, action="decrease")
+    _mosaic.set_registers(plgpu, config.producer_registers, 3)
     rows = pl.ds(r0, BLOCK_H)
     q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
     if has_rope:

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import LN2, LOG2E, cdiv
+from jax_mla._common import LOG2E, cdiv
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
   D_MAIN,
@@ -60,11 +60,6 @@ def head_blocks(h_q: int) -> tuple[int, int]:
   return blocks, cdiv(cdiv(h_q, blocks), HEAD_ALIGN) * HEAD_ALIGN
 
 
-def _p_tiles(plgpu):
-  """``P^T`` ``[64 keys, heads]``: wgmma's B operand with the heads (N) contiguous."""
-  return (plgpu.TilingTransform((8, HEAD_ALIGN)), plgpu.SwizzleTransform(2 * HEAD_ALIGN))
-
-
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
             scale):
   """``refs``: the sets' indices, then their caches, then the outputs (``O``
@@ -85,6 +80,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   @pl.when(wg < 2)
   def _consumer():
     _mosaic.set_registers(plgpu, config.consumer_registers, 2 + config.producers)
+
     def mask(i, slot):
       del i
 
@@ -98,24 +94,20 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
         plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
         k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
         shared=(p_stats, p_ready), mask=mask, scale=scale, p_t=p_t)
-    empty, l_safe = _mosaic.empty_rows(l)
-    lse2 = m + jnp.log2(l_safe)
     sink = plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
                       optimized=False)
-    # out *= exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf (or none) -> 1.
-    inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
+    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     # Both consumers are done with Q: its halves stage O (O^T stored transposed).
     o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
     q_main.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
 
     @pl.when(wg == 0)
     def _():
-      max_logits = jnp.where(jnp.isnan(l), jnp.nan, m * LN2)
-      stats.at[0, pl.ds(0, heads)][...] = jnp.where(empty, -jnp.inf, max_logits)
+      stats.at[0, pl.ds(0, heads)][...] = max_logits
 
     @pl.when(wg == 1)
     def _():
-      stats.at[1, pl.ds(0, heads)][...] = jnp.where(empty, jnp.inf, lse2 * LN2)
+      stats.at[1, pl.ds(0, heads)][...] = lse
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[pl.ds(r0, heads), pl.ds(wg * HALF, HALF)])
