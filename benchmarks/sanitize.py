@@ -67,13 +67,15 @@ QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1
 
 def sparse_decode(impl):
   """Each format, the V4 / V4.1 ones with an extra set (V4.1: also fp8 main + fp4 extra);
-  64 heads, and 16 on the first two (Mosaic GPU: the transposed kernel)."""
+  64 heads; 128 on fp8_model1 and the V4.1 pair (Mosaic GPU: a 2-CTA cluster sharing
+  the gather); 16 on fp8_ds_mla and fp8_model1 (Mosaic GPU: the transposed kernel)."""
   rng = np.random.default_rng(1)
   b, s_q = 2, 2
   for fmt, extra_fmt, d_qk, bs, extra_bs, h_q in (
       ("fp8_ds_mla", None, 576, 64, None, 64), ("fp8_model1", "fp8_model1", 512, 64, 2, 64),
       ("fp8_v41", "fp8_v41", 512, 64, 2, 64), ("fp8_v41", "fp4_v41", 512, 64, 2, 64),
-      ("fp4_v41", None, 512, 16, None, 64), ("fp8_ds_mla", None, 576, 64, None, 16),
+      ("fp4_v41", None, 512, 16, None, 64), ("fp8_model1", "fp8_model1", 512, 64, 2, 128),
+      ("fp8_v41", "fp4_v41", 512, 64, 2, 128), ("fp8_ds_mla", None, 576, 64, None, 16),
       ("fp8_model1", "fp8_model1", 512, 64, 2, 16)):
     def cache(num_blocks, block_size, topk, fmt, d_qk=d_qk):
       idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)

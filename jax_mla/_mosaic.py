@@ -55,6 +55,22 @@ def set_registers(plgpu_mod, registers: int, warpgroups: int) -> None:
     plgpu_mod.set_max_registers(registers, action="increase" if registers > share else "decrease")
 
 
+def cluster_sync(plgpu_mod) -> None:
+  """Every thread of every CTA of the cluster waits here for all the others (call
+  where all of a kernel's warpgroups run, e.g. its end: a CTA must not exit while a
+  peer may still store into its shared memory or arrive on its barriers)."""
+  plgpu_mod.inline_mgpu()(_cluster_sync)()
+
+
+def _cluster_sync(ctx):
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                  "barrier.cluster.arrive; barrier.cluster.wait;", "",
+                  has_side_effects=True)
+
+
 def on_hopper() -> bool:
   """Whether ``implementation=None`` may pick a Mosaic GPU kernel: a Hopper GPU, a jax
   the kernels were checked on (0.11), and Mosaic GPU importable."""

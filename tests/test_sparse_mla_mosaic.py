@@ -7,6 +7,8 @@ transposed one (mosaic_transposed.py), with padded heads in the last block when
 ``h_q`` is not a multiple of 16.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from helpers import rel_err
 from sparse_cases import decode_inputs, random_indices
 
 from jax_mla import _mosaic
+from jax_mla.cache.formats import resolve
 from jax_mla.sparse_mla import mosaic, mosaic_transposed, sparse_mla_decode, sparse_mla_prefill
 
 
@@ -205,6 +208,35 @@ def test_two_producers_decode(case):
   empty = np.isposinf(r_lse)
   np.testing.assert_array_equal(np.isposinf(lse), empty)
   np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "pair"), [
+    (DECODE_CASES[1], True), (DECODE_CASES[4], False),
+    (("fp8_model1", 2, 2, 256, 130, 3, 64, True, True, (70, 5, 64)), True)],
+    ids=["ds-pair", "m1-no-pair", "m1-h256-pair"])
+def test_pair_setting_decode(case, pair):
+  """Config.pair against its per-format default: fp8_ds_mla with the 2-CTA cluster
+  (its RoPE columns copied through registers into both CTAs), fp8_model1 without it,
+  and h 256 (two clusters per token). The defaults run in test_decode_matches_reference."""
+  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
+  cfg = dataclasses.replace(mosaic.default_config(resolve(case[0]), case[3]), pair=pair)
+  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", config=cfg, **kw)
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
+  assert rel_err(out, r_out) < 1e-2
+  empty = np.isposinf(r_lse)
+  np.testing.assert_array_equal(np.isposinf(lse), empty)
+  np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
+  assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
+
+
+@pytest.mark.parametrize(("fmt", "h_q", "pair"), [
+    ("fp8_model1", 128, True), ("fp8_v41", 256, True), ("fp4_v41", 128, True),
+    ("fp8_ds_mla", 128, False), ("fp8_model1", 64, False), (None, 128, False)])
+def test_pair_default(fmt, h_q, pair):
+  """The 2-CTA cluster is the default where it was measured faster (Config.pair)."""
+  assert mosaic.default_config(fmt and resolve(fmt), h_q).pair is pair
 
 
 def test_two_producers_need_the_transposed_kernel():

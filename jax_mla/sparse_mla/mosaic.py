@@ -13,7 +13,9 @@ stages in turns:
   K^T`` (64 x 64 over the 512 + 64 RoPE or 512 columns), masks the invalid columns to
   ``-inf``, runs the online softmax in base 2 and hands ``P`` to both through SMEM;
   both multiply ``P`` by their half of ``V`` (the first 512 columns of the same rows)
-  (:func:`jax_mla._mosaic.consume_stages`).
+  (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
+  of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
+  split each step's gather between their producers.
 - any other ``h_q`` (:mod:`.mosaic_transposed`): up to 32 heads per CTA with the keys
   on the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
   spent on a head that is not there.
@@ -34,6 +36,7 @@ from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
 from jax_mla._common import LOG2E
+from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format
 from jax_mla.sparse_mla import mosaic_transposed
 from jax_mla.sparse_mla.mosaic_gather import (
@@ -43,6 +46,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   TILE,
   dequantized,
   first_steps,
+  init_pair,
   kernel_inputs,
   produce,
   swizzled,
@@ -72,11 +76,16 @@ class Config:
     producers: producer warpgroups, each gathering every ``producers``-th step (its own
       step's loads in flight); 2 needs ``num_stages`` 2 and the transposed kernel (``h_q``
       not a multiple of 64), whose consumers need fewer registers.
+    pair: head-block kernel, quantized caches, ``h_q`` a multiple of 128 (ignored
+      otherwise): the two head blocks of a token run as a 2-CTA cluster and each
+      gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
+      each row is loaded and dequantized once per token, not once per head block.
   """
   num_stages: int = 2
   consumer_registers: int = 208
   producer_registers: int = 88
   producers: int = 1
+  pair: bool = False
 
   def __post_init__(self):
     if self.num_stages not in (1, 2):
@@ -108,11 +117,17 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   at 152 registers, 234 us; two producers need the consumers at 168 or fewer, where
   they slow down more than the second producer gains (285 us at 168 / 88, 412 us at
   104 / 152); the bf16 prefill h16 row likewise (2204 us vs 2277 us).
+
+  ``pair`` (H100, V4 decode rows b256 h128, interleaved medians): fp8_v41 542 / 531 us
+  with it, 576 / 585 us without; fp8_model1 540 / 548 us with, 548 / 552 us without;
+  fp8_ds_mla b128 is slower with it (532 vs 477 us: its 656-byte rows, RoPE included,
+  then go through registers twice), so it stays off there.
   """
   if h_q % BLOCK_H:
     return Config(consumer_registers=176, producer_registers=152)
   if dequantized(fmt):
-    return Config(consumer_registers=208, producer_registers=88)
+    return Config(consumer_registers=208, producer_registers=88,
+                  pair=h_q % (2 * BLOCK_H) == 0 and not isinstance(fmt, DsMla))
   return Config(consumer_registers=232, producer_registers=40)
 
 
@@ -128,16 +143,17 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
                        "use implementation='triton'")
 
 
-def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale):
+def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair):
   """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``refs``: the sets'
   indices, then their caches, then the outputs, the SMEM refs and the barriers."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
-  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats, p_stats = smem
+  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats, p_stats, *pair_bars = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   t = lax.axis_index("t")
-  h0 = lax.axis_index("h") * BLOCK_H
+  head_block = lax.axis_index("h") * 2 + lax.axis_index("c") if pair else lax.axis_index("h")
+  h0 = head_block * BLOCK_H
   wg = lax.axis_index("wg")
   r0 = t * h_q + h0
   # The sets' steps run back to back in one softmax: set k's rows are steps
@@ -145,6 +161,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   first = first_steps(len_ref, t, num_sets)
   steps = first[-1]
   has_rope = d_qk > D_MAIN
+  if pair:
+    init_pair(plgpu, pair_bars[0])
 
   @pl.when(wg < 2)
   def _consumer():
@@ -201,7 +219,11 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
     produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
             kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-            barriers=(q_bar, kv_bar, free_bar), first=first)
+            barriers=(q_bar, kv_bar, free_bar), first=first,
+            pair=pair_bars[0] if pair else None)
+
+  if pair:  # neither CTA leaves while the other may still write to or arrive in it
+    _mosaic.cluster_sync(plgpu)
 
 
 def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
@@ -221,7 +243,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
                      f"producer; got Config(producers={config.producers})")
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
-  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk)
+  pair = config.pair and h_q % (2 * BLOCK_H) == 0 and all(map(dequantized, fmts))
+  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair)
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
 
@@ -237,17 +260,20 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
       shared_smem,
-  )
+  ) + ((plgpu.SMEM((config.num_stages, 4), jnp.uint32),) if pair else ())
   q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
+  # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
+  free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
+                  else plgpu.Barrier)
   barriers = (
       plgpu.Barrier(num_arrivals=q_copies),
-      plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),  # stage gathered (producer)
-      plgpu.Barrier(num_arrivals=2, num_barriers=config.num_stages),  # stage free: both consumers
+      plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),  # stage gathered
+      free_barrier(num_arrivals=2, num_barriers=config.num_stages),  # free: the consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
       shared_barrier,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
-                             gathers=tuple(gathers), scale=sm_scale * LOG2E)
+                             gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
@@ -257,12 +283,15 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   out_type = (jax.ShapeDtypeStruct((n, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((n,), jnp.float32),
               jax.ShapeDtypeStruct((n,), jnp.float32))
+  # The head blocks of one token are adjacent in launch order (the last grid axis is
+  # blockIdx.x): they gather the same rows, which L2 then serves once; a pair's are
+  # one cluster.
+  grid = ({"grid": (tokens, h_q // BLOCK_H // 2), "grid_names": ("t", "h"), "cluster": (2,),
+           "cluster_names": ("c",)} if pair
+          else {"grid": (tokens, h_q // BLOCK_H), "grid_names": ("t", "h")})
   out, max_logits, lse = plgpu.kernel(
-      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
-      # The head blocks of one token are adjacent in launch order (the last grid axis
-      # is blockIdx.x): they gather the same rows, which L2 then serves once.
-      grid=(tokens, h_q // BLOCK_H), grid_names=("t", "h"), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q.reshape(n, d_qk), sink, *all_indices, *all_rows)
   return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
           lse.reshape(tokens, h_q))

@@ -20,12 +20,19 @@ main set with an ``fp4_v41`` extra set). The quantized rows are read at the offs
 of the formats' layout objects (:mod:`jax_mla.cache.ds_mla`,
 :mod:`jax_mla.cache.model1`, :class:`jax_mla.cache.layout.TileScaled`).
 
+The two head-block CTAs of one token may run as a 2-CTA cluster (``pair``): each
+producer then gathers half of every step's rows and stores them into both CTAs' stages
+(``st.async``, counted by a per-stage mbarrier, :func:`init_pair`), so a row is
+loaded and dequantized once per token, not once per head block.
+
 The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad each
 set's ``topk`` to a multiple of 64 (:func:`clean_indices`), so the kernels only test
 ``index >= 0``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +41,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_mla import _mosaic
 from jax_mla._common import cdiv
 from jax_mla.cache import e2m1
 from jax_mla.cache.ds_mla import DsMla
@@ -66,10 +74,10 @@ def clean_indices(indices, lengths, num_slots):
   return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
-def kernel_inputs(sets, fmts, d_qk: int):
+def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T])`` in formats ``fmts``: ``(gathers, lengths[num_sets, T]
-  clipped to [0, topk], cleaned indices, cache rows)``."""
+  clipped to [0, topk], cleaned indices, cache rows)``. ``pair``: see :func:`gather_fn`."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
@@ -79,7 +87,7 @@ def kernel_inputs(sets, fmts, d_qk: int):
     all_lengths.append(lengths)
     all_rows.append(cache.reshape(num_slots, width))
     gathers.append(gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
-                             row_bytes=width * cache.dtype.itemsize, d_qk=d_qk))
+                             row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair))
   return tuple(gathers), jnp.stack(all_lengths), all_indices, all_rows
 
 
@@ -93,7 +101,7 @@ def first_steps(len_ref, t, num_sets: int):
 
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope, valid,
-            barriers, first, producer: int = 0, producers: int = 1):
+            barriers, first, producer: int = 0, producers: int = 1, pair=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
   With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with ``i %
@@ -114,6 +122,10 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
       stage); stage free (one per stage).
     first: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (traced).
     producer, producers: this producer's index and their number.
+    pair: None, or the CTA is one of a 2-CTA cluster that shares each step (``gathers``
+      made with ``pair=True``): the SMEM uint32 ``[stages, 4]`` of
+      :func:`init_pair`, whose mbarriers count the bytes the peer stores into each
+      stage; ``free_bar`` is a cluster barrier (both CTAs' consumers free a stage).
   """
   q_bar, kv_bar, free_bar = barriers
   num_stages = kv_main.shape[0]
@@ -125,14 +137,20 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
 
   swizzled_ref = plgpu.RefType(swizzled(plgpu))
   arg_types = (plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref, plgpu.RefType(),
-               plgpu.RefType(), plgpu.RefType())
-  stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_stage_fn)
+               plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * (pair is not None)
+  paired = pair is not None
+  stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
+      functools.partial(_stage_fn, pair=paired))
   wait_copies = plgpu.inline_mgpu()(_wait_copies)
+  wait_peer = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_wait_peer)
 
   def ready(i):
-    # Each thread waits for its own copies; the fence orders them before wgmma's
-    # (async-proxy) reads; the arrival (all 128 threads count as one) publishes them.
+    # Each thread waits for its own copies (a pair: thread 0 also for the peer's
+    # stores); the fence orders them before wgmma's (async-proxy) reads; the arrival
+    # (all 128 threads count as one) publishes them.
     wait_copies()
+    if paired:
+      wait_peer(pair.at[lax.rem(i, num_stages)])
     plgpu.commit_smem()
     plgpu.barrier_arrive(kv_bar.at[lax.rem(i, num_stages)])
 
@@ -164,7 +182,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
       has_next = (i + producers < first[k + 1]).astype(jnp.int32)
       nxt = i - first[k] + producers * has_next
       gather(idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
-             kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next))
+             kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next),
+             *(() if pair is None else (pair.at[slot],)))
 
   steps = first[-1]
   last = steps - 1 - lax.rem(steps - 1 - producer + producers, producers)  # its last step
@@ -175,7 +194,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
-               d_qk: int):
+              d_qk: int, pair: bool = False):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
@@ -185,6 +204,13 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   :class:`~jax_mla.cache.layout.TileScaled` (``fp8_v41`` / ``fp4_v41`` rows, RoPE
   quantized too), dequantized in registers. ``row_bytes`` is the cache's last axis in bytes (a block
   is ``block_size`` of them).
+
+  ``pair`` (quantized formats): the CTA is one of a 2-CTA cluster whose CTAs attend the
+  same rows (two head blocks of one token, FlashMLA's split): CTA ``r`` of the cluster
+  gathers rows ``32 r .. 32 r + 31`` of each step and stores each piece into its own
+  stage and, with ``st.async``, into the peer's, where the slot's pair mbarrier
+  (:func:`init_pair`) counts the bytes; so each row is loaded and dequantized once per
+  token instead of once per head block.
   """
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -192,13 +218,20 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
   groups = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
-  rows_per_thread = BLOCK_K // groups
+  rows_per_thread = BLOCK_K // groups // (1 + pair)
+  if pair and not dequantized(fmt):
+    raise ValueError("a CTA pair shares only dequantized rows (bf16 rows are cp.async copies)")
 
-  def gather(ctx, next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref):
+  # Bytes the peer of a pair stores into a stage: its 32 rows' columns and validity.
+  peer_bytes = BLOCK_K // 2 * (2 * max(d_qk, D_MAIN) + 4)
+
+  def gather(ctx, next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
+             pair_ref=None):
     """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
     set's prologue, :func:`_stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
     step's indices in GMEM and where to stage them (``cp.async``, waited for with the
-    step's copies): the index loads leave the steps' critical path."""
+    step's copies): the index loads leave the steps' critical path. ``pair_ref``: the
+    slot's pair mbarrier (pair only)."""
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
@@ -215,11 +248,20 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                                  mgpu_utils.memref_ptr(kv_ref))
     main_base = mgpu_utils.memref_ptr(main_ref)
     rope_base = mgpu_utils.memref_ptr(rope_ref)
+    if pair:  # this stage's phase of the pair mbarrier: the peer's bytes, one arrival
+      bar = mgpu_utils.memref_ptr(pair_ref)
+      llvm.inline_asm(void, [bar, tid],
+                      "{.reg .pred p; setp.eq.u32 p, $1, 0; "
+                      f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {peer_bytes};}}",
+                      "r,r", has_side_effects=True)
+      peer_bar = _peer(bar)
 
     # A thread's rows differ by 16 = two 8-row tiles, so they share the swizzle
-    # (row % 8 == group % 8) and sit a fixed stride apart in the stage.
+    # (row % 8 == group % 8) and sit a fixed stride apart in the stage. A pair's CTA r
+    # takes rows 32 r + (group, group + 16).
     r8 = arith.andi(group, c32(7))
-    first_tile_row = arith.shrui(group, c32(3))
+    first_row = arith.addi(group, arith.muli(_cluster_rank(), c32(32))) if pair else group
+    first_tile_row = arith.shrui(first_row, c32(3))
 
     def dst(buf, tiles_per_row, col_tile, chunk):
       """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
@@ -237,7 +279,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       half, col_tile = divmod(col_tile, HALF // TILE)
       return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
 
-    thread_rows = [arith.addi(group, c32(r * groups)) for r in range(rows_per_thread)]
+    thread_rows = [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
     idxs = [memref.load(staged_ref, [arith.index_cast(index, row)]) for row in thread_rows]
     next_src = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
                                   mgpu_utils.memref_ptr(next_idx_ref))
@@ -262,6 +304,12 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
         rows.append(at(kv_base, arith.muli(arith.extui(i64, slot), c64(row_bytes))))
       oks.append(ok)
       memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
+      if pair:  # lane 0's copy alone is counted
+        valid_at = at(mgpu_utils.memref_ptr(valid_ref), arith.muli(row, c32(4)))
+        llvm.inline_asm(void, [_peer(valid_at), arith.extui(i32, ok), peer_bar, lane],
+                        "{.reg .pred p; setp.eq.u32 p, $3, 0; @p st.async.shared::cluster."
+                        "mbarrier::complete_tx::bytes.b32 [$0], $1, [$2];}", "r,r,r,r",
+                        has_side_effects=True)
 
     # bf16 pieces, copied as they are: (this thread's first destination, source byte
     # offset of tile piece 0, bytes between the thread's rows in the stage).
@@ -276,9 +324,14 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
     for d, src_at, stride in copies:
       for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
+        piece = at(src, arith.addi(lane16, c64(src_at)))
+        if pair:  # through registers: cp.async cannot write the peer's SMEM
+          llvm.inline_asm(void, [at(d, c32(r * stride)), _peer(at(d, c32(r * stride))), piece,
+                                 arith.extui(i32, ok), peer_bar],
+                          _COPY_BOTH_ASM, "r,r,l,r,r", has_side_effects=True)
+          continue
         nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
-        llvm.inline_asm(void, [at(d, c32(r * stride)), at(src, arith.addi(lane16, c64(src_at))),
-                               nbytes],
+        llvm.inline_asm(void, [at(d, c32(r * stride)), piece, nbytes],
                         "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r",
                         has_side_effects=True)
 
@@ -312,9 +365,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       lane_shift = [arith.muli(arith.divui(arith.muli(lane, c32(8)), c32(fmt.tile)), c32(8))]
     if dequantized(fmt):
       extra = lane_shift if isinstance(fmt, TileScaled) else []
+      peer_dsts = [_peer(d) for d in dsts] if pair else []
       for r, ((data, scale), ok) in enumerate(zip(sources, oks, strict=True)):
-        operands = [data, scale, arith.extui(i32, ok), *extra, *dsts]
-        llvm.inline_asm(void, operands, _dequant_asm(fmt, r * row_stride),
+        operands = [data, scale, arith.extui(i32, ok), *extra, *dsts, *peer_dsts,
+                    *([peer_bar] if pair else [])]
+        llvm.inline_asm(void, operands, _dequant_asm(fmt, r * row_stride, pair),
                         ",".join(["l", "l"] + ["r"] * (len(operands) - 2)),
                         has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
@@ -322,7 +377,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   return gather
 
 
-def _stage_fn(ctx, idx_ref, staged_ref):
+def _stage_fn(ctx, idx_ref, staged_ref, *, pair: bool):
   """Copies this thread's rows of a set's first 64 indices (GMEM) into SMEM, where the
   first step of the set reads them (inline Mosaic GPU)."""
   del ctx
@@ -332,17 +387,100 @@ def _stage_fn(ctx, idx_ref, staged_ref):
 
   i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
   group = arith.shrui(arith.remui(mgpu.thread_idx(), mgpu.c(128, i32)), mgpu.c(3, i32))
+  if pair:
+    group = arith.addi(group, arith.muli(_cluster_rank(), mgpu.c(32, i32)))
   groups = 128 // THREADS_PER_ROW
-  for r in range(BLOCK_K // groups):
+  for r in range(BLOCK_K // groups // (1 + pair)):
     row = arith.index_cast(index, arith.addi(group, mgpu.c(r * groups, i32)))
     memref.store(memref.load(idx_ref, [row]), staged_ref, [row])
 
 
-def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int) -> str:
+def _cluster_rank():
+  """This CTA's rank in its cluster (PTX ``%cluster_ctarank``)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  return llvm.inline_asm(ir.IntegerType.get_signless(32), [], "mov.u32 $0, %cluster_ctarank;",
+                         "=r")
+
+
+def _peer(shared_ptr):
+  """The address of ``shared_ptr`` in the other CTA of a 2-CTA cluster (``mapa``)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  return llvm.inline_asm(
+      ir.IntegerType.get_signless(32), [shared_ptr],
+      "{.reg .b32 r; mov.u32 r, %cluster_ctarank; xor.b32 r, r, 1; "
+      "mapa.shared::cluster.u32 $0, $1, r;}", "=r,r")
+
+
+# One 16-byte piece, zero when the row is invalid, into this CTA's and the peer's SMEM.
+# Operands: local address, peer address, source, valid, the peer's pair mbarrier.
+_COPY_BOTH_ASM = (
+    "{.reg .pred p; .reg .b32 a, b, c, d; setp.ne.b32 p, $3, 0; "
+    "mov.b32 a, 0; mov.b32 b, 0; mov.b32 c, 0; mov.b32 d, 0; "
+    "@p ld.global.nc.v4.b32 {a, b, c, d}, [$2]; st.shared.v4.b32 [$0], {a, b, c, d}; "
+    "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$1], {a, b, c, d}, [$4];}")
+
+
+def init_pair(plgpu, pair_ref):
+  """Initialises a pair's mbarriers (SMEM uint32 ``[stages, 4]``: each slot's mbarrier,
+  one arrival plus the bytes the peer stores, and the phase its waiter expects next),
+  then waits for the whole cluster (call in every thread, before the producer): the
+  peer's first stores need them initialised."""
+  plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_pair)(pair_ref)
+  _mosaic.cluster_sync(plgpu)
+
+
+def _init_pair(ctx, pair_ref):
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  stages = ir.MemRefType(pair_ref.type).shape[0]
+  inits = " ".join(f"@p mbarrier.init.shared::cta.b64 [$0+{16 * k}], 1; "
+                   f"@p st.shared.u32 [$0+{16 * k + 8}], 0;" for k in range(stages))
+  llvm.inline_asm(
+      ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(pair_ref), mgpu.thread_idx()],
+      "{.reg .pred p; setp.eq.u32 p, $1, 0; " + inits + " fence.mbarrier_init.release.cluster;}",
+      "r,r", has_side_effects=True)
+
+
+def _wait_peer(ctx, pair_ref):
+  """Thread 0 waits for the slot's pair mbarrier phase (the peer's stores landed) and
+  flips the phase it expects next; ``commit_smem`` then holds the other threads."""
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  llvm.inline_asm(
+      ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(pair_ref), mgpu.thread_idx()],
+      "{.reg .pred p, done; .reg .b32 ph; and.b32 ph, $1, 127; setp.eq.u32 p, ph, 0; "
+      "@!p bra SKIP; ld.shared.u32 ph, [$0+8]; "
+      "WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], ph; @!done bra WAIT; "
+      "xor.b32 ph, ph, 1; st.shared.u32 [$0+8], ph; SKIP: }", "r,r", has_side_effects=True)
+
+
+def _stores(operand: int, row_offset: int, regs: str, pair: bool, num_dsts: int,
+            first_dst: int) -> list[str]:
+  """PTX storing ``regs`` (a ``{...}`` v4) at destination ``operand`` + ``row_offset``
+  and, for a pair, at its peer address (``num_dsts`` operands later) with ``st.async``
+  onto the peer's pair mbarrier (the operand after the peer addresses, which start at
+  ``first_dst + num_dsts``)."""
+  lines = [f"st.shared.v4.b32 [${operand}+{row_offset}], {regs};"]
+  if pair:
+    lines.append("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 "
+                 f"[${operand + num_dsts}+{row_offset}], {regs}, [${first_dst + 2 * num_dsts}];")
+  return lines
+
+
+def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int, pair: bool = False) -> str:
   """PTX that dequantizes one row's share of one thread and stores it as bf16.
 
   Operands: data address, scale address, valid, then the shared addresses of the
-  thread's 16-byte bf16 pieces in its first row (``row_offset`` bytes are added).
+  thread's 16-byte bf16 pieces in its first row (``row_offset`` bytes are added),
+  then (``pair``) the same addresses in the peer CTA, stored to as well.
   An invalid row loads nothing: zeros.
 
   - ``"fp8_ds_mla"``: 4 x 16 fp8 bytes (one piece of each 128-value tile, 128 bytes
@@ -353,7 +491,7 @@ def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int) -> str:
   - ``"fp8_v41"`` / ``"fp4_v41"``: see :func:`_tile_scaled_asm`.
   """
   if isinstance(fmt, TileScaled):
-    return _tile_scaled_asm(fmt, row_offset)
+    return _tile_scaled_asm(fmt, row_offset, pair)
   ds_mla = isinstance(fmt, DsMla)
   # A thread holds 1/8 of each tile (8 threads per 128-byte row): tile / 32 words.
   words, tiles, tile_bytes = fmt.tile // (4 * THREADS_PER_ROW), fmt.num_tiles, fmt.tile
@@ -378,7 +516,7 @@ def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int) -> str:
     for piece in range(words // 2):
       operand = 3 + (words // 2) * k + piece
       o = ", ".join(f"o{4 * piece + i}" for i in range(4))
-      lines.append(f"st.shared.v4.b32 [${operand}+{row_offset}], {{{o}}};")
+      lines += _stores(operand, row_offset, f"{{{o}}}", pair, (words // 2) * tiles, 3)
   lines.append("}")
   return "\n".join(lines)
 
@@ -406,7 +544,7 @@ def _e2m1_tables() -> tuple[int, int, int, int]:
   return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
 
 
-def _tile_scaled_asm(fmt: TileScaled, row_offset: int) -> str:
+def _tile_scaled_asm(fmt: TileScaled, row_offset: int, pair: bool = False) -> str:
   """PTX for one row of an ``fp8_v41`` / ``fp4_v41`` cache (see :func:`_dequant_asm`).
 
   Operands: data address (lane's bytes of column tile 0), scale address, valid, the
@@ -470,7 +608,7 @@ def _tile_scaled_asm(fmt: TileScaled, row_offset: int) -> str:
       lines += ["shl.b32 c0, c0, 23;", "mov.b32 s0, c0;"]
       for i in range(words):
         lines += _fp8_to_bf16x2(xs[words * k + i], "s0", (f"o{2 * i}", f"o{2 * i + 1}"))
-    lines.append(f"st.shared.v4.b32 [${4 + k}+{row_offset}], {{o0, o1, o2, o3}};")
+    lines += _stores(4 + k, row_offset, "{o0, o1, o2, o3}", pair, tiles, 4)
   lines.append("}")
   return "\n".join(lines)
 
