@@ -149,6 +149,12 @@ def _smoke_sparse_mla(m):
   })
 
 
+def _smoke_sparse_mla_grad(m):
+  _interpret(m, "sparse_mla_prefill")
+  return m.run({"smoke s_q8 h16 topk32": m.Shape(s_q=8, h_q=16, topk=32, d_qk=576, s_kv=256)},
+               impl="triton")
+
+
 SMOKE = {
     "bench_bridge_model_loop": _smoke_bridge_model_loop,
     "bench_bridge_overhead": _smoke_bridge_overhead,
@@ -160,6 +166,7 @@ SMOKE = {
     "bench_paged_attention": _smoke_paged_attention,
     "bench_sharding": _smoke_sharding,
     "bench_sparse_mla": _smoke_sparse_mla,
+    "bench_sparse_mla_grad": _smoke_sparse_mla_grad,
 }
 
 

@@ -1,6 +1,9 @@
-"""Gradients of ``sparse_mla_prefill``: the custom VJP (jax_mla/sparse_mla/backward.py)
-against autodiff of the jax.numpy reference, which is itself checked against finite
-differences; edge cases (infinite sinks, rows with no key) give finite, zero gradients.
+"""Gradients of ``sparse_mla_prefill``: the custom VJP (the XLA backward of
+jax_mla/sparse_mla/backward.py, the Triton backward kernel of triton_backward.py in
+interpret mode, and on a GPU the kernel behind the Mosaic GPU forward) against autodiff
+of the jax.numpy reference, which is itself checked against finite differences; edge
+cases (duplicate and invalid indices, infinite sinks, rows with no key) give finite,
+zero gradients.
 
 Tolerance: 1e-2 relative (``q`` and ``kv`` are bf16 and the gradients come back in bf16).
 """
@@ -9,10 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import has_gpu
 
-from jax_mla.sparse_mla import reference, sparse_mla_prefill
+from jax_mla.sparse_mla import backward, reference, sparse_mla_prefill, triton_backward
 from jax_mla.sparse_mla.layout import token_lengths
 from jax_mla.testing import rel_err
+
+# The implementations whose backward runs here: the XLA one, the Triton kernel
+# (interpret mode on CPU), and on a GPU the default (Mosaic GPU forward on Hopper).
+IMPLS = ["xla", "triton"] + (["default"] if has_gpu() else [])
 
 SCALE = 0.05
 
@@ -35,10 +43,14 @@ def _loss(out, lse, w):
           + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w[..., 0]))
 
 
-def _api_grads(impl, q, kv, idx, lens, sink, w, interpret=False):
+def _api_grads(impl, q, kv, idx, lens, sink, w):
+  implementation = None if impl == "default" else impl
+  interpret = impl == "triton" and not has_gpu()
+
   def loss(q, kv, sink):
     out, _, lse = sparse_mla_prefill(q, kv, idx, sm_scale=SCALE, attn_sink=sink,
-                                     topk_length=lens, implementation=impl, interpret=interpret)
+                                     topk_length=lens, implementation=implementation,
+                                     interpret=interpret)
     return _loss(out, lse, w)
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink)
 
@@ -51,34 +63,54 @@ def _reference_grads(q, kv, idx, lens, sink, w):
   return jax.grad(loss, argnums=(0, 1, 2))(q, kv, sink)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed,d_qk", [(0, 576), (1, 512)])
-def test_grads_match_autodiff_of_the_reference_xla(seed, d_qk):
+def test_grads_match_autodiff_of_the_reference(impl, seed, d_qk):
   case = _case(seed, d_qk)
-  got = _api_grads("xla", *case)
+  got = _api_grads(impl, *case)
   want = _reference_grads(*case)
   for name, a, b in zip(("dq", "dkv", "dsink"), got, want, strict=True):
     assert a.dtype == b.dtype
     assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
 
 
-def test_grads_through_the_triton_kernel(interpret):
-  case = _case(2)
-  got = _api_grads("triton", *case, interpret=interpret)
-  want = _reference_grads(*case)
-  for name, a, b in zip(("dq", "dkv", "dsink"), got, want, strict=True):
-    assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
-
-
-def test_duplicate_indices_add_their_gradients():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_duplicate_indices_add_their_gradients(impl):
   q, kv, idx, lens, sink, w = _case(3, topk=8)
-  dup = idx.at[:, 1].set(idx[:, 0])  # key 0 twice in every row
+  dup = idx.at[:, 1].set(idx[:, 0]).at[:, 5].set(idx[:, 0])  # key 0 three times a row
   lens = jnp.full_like(lens, 8)
-  got = _api_grads("xla", q, kv, dup, lens, sink, w)[1]
+  got = _api_grads(impl, q, kv, dup, lens, sink, w)[1]
   want = _reference_grads(q, kv, dup, lens, sink, w)[1]
   assert rel_err(got, want) < 1e-2
 
 
-def test_infinite_sinks_and_empty_rows_give_finite_zero_gradients():
+@pytest.mark.parametrize("seed", [7, 8])
+def test_kernel_head_blocks_and_key_steps(seed, interpret):
+  """The kernel alone with several head blocks (their atomics meet in the same rows)
+  and several key steps with a partial last one, every row sharing some keys."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  s_q, h, s_kv, topk = 5, 40, 12, 37
+  q = (jax.random.normal(k[0], (s_q, h, 576)) / 2).astype(jnp.bfloat16)
+  kv = (jax.random.normal(k[1], (s_kv, 576)) / 2).astype(jnp.bfloat16)
+  idx = jax.random.randint(k[2], (s_q, topk), -3, s_kv + 3, jnp.int32)
+  lens = jnp.array([37, 0, 20, 16, 33], jnp.int32)
+  out, _, lse = reference.sparse_prefill(q, kv, idx, None, lens, sm_scale=SCALE, d_v=512)
+  g = jax.random.normal(k[3], out.shape).astype(jnp.bfloat16)
+  c = jax.random.normal(k[4], lse.shape)
+  f, g_out = backward.head_terms(out, lse, g, None)
+  dq, dkv = triton_backward.sparse_prefill_bwd(
+      q, kv, idx, lens, g, lse, f, c - f * g_out, sm_scale=SCALE, d_v=512,
+      config=triton_backward.Config(dq_block_h=16, dq_block_k=16, dkv_block_h=16,
+                                      dkv_block_k=16), interpret=interpret)
+  want_dq, want_dkv, _ = backward.sparse_prefill_bwd(
+      q, kv, idx, None, lens, out, lse, g, c, sm_scale=SCALE, d_v=512)
+  assert rel_err(dq, want_dq) < 1e-2
+  assert rel_err(dkv, want_dkv) < 1e-2
+  np.testing.assert_array_equal(np.asarray(dq[1], np.float32), 0)  # length 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_infinite_sinks_and_empty_rows_give_finite_zero_gradients(impl):
   q, kv, idx, lens, _, w = _case(4)
   lens = lens.at[2].set(0)  # token 2 attends to nothing
   idx = idx.at[4].set(-1)  # token 4: every index invalid
@@ -86,7 +118,8 @@ def test_infinite_sinks_and_empty_rows_give_finite_zero_gradients():
 
   def out_loss(q, kv, sink, idx=idx, lens=lens):
     out, _, _ = sparse_mla_prefill(q, kv, idx, sm_scale=SCALE, attn_sink=sink, topk_length=lens,
-                                   implementation="xla")
+                                   implementation=None if impl == "default" else impl,
+                                   interpret=impl == "triton" and not has_gpu())
     return jnp.sum(out.astype(jnp.float32) * w)
 
   dq, dkv, dsink = jax.grad(out_loss, argnums=(0, 1, 2))(q, kv, sink)

@@ -6,8 +6,9 @@ latent array; ``sparse_mla_decode`` does the same on a paged cache (``"fp8_ds_ml
 set in the same softmax.
 
 Modules: :mod:`.api` (the public ops), :mod:`.reference` (the jax.numpy oracle),
-:mod:`.triton` and :mod:`.mosaic` (the kernels, each with its ``Config``) and
-:mod:`.layout` (index plumbing the reference and the kernels share).
+:mod:`.triton` and :mod:`.mosaic` (the kernels, each with its ``Config``),
+:mod:`.backward` (the prefill backward in jax.numpy) and :mod:`.triton_backward` (its
+Triton kernels), and :mod:`.layout` (index plumbing the reference and the kernels share).
 """
 
 from jax_mla.sparse_mla.api import sparse_mla_decode, sparse_mla_prefill

@@ -38,7 +38,7 @@ from jax_mla.cache.model1 import MODEL1
 from jax_mla.cache.v41_fp4 import V41_FP4
 from jax_mla.cache.v41_fp8 import V41_FP8
 from jax_mla.sharding import OpSharding, shape_of
-from jax_mla.sparse_mla import backward, mosaic, reference, triton
+from jax_mla.sparse_mla import backward, mosaic, reference, triton, triton_backward
 from jax_mla.sparse_mla.layout import token_lengths
 
 D_QKS = (D_QK, D_QK_V4)
@@ -205,7 +205,8 @@ def _prefill_forward(statics, q, kv, indices, attn_sink, lengths):
                                config=config, interpret=interpret)
 
 
-# Every implementation's forward, one backward (backward.py, XLA) from the saved out and lse.
+# Every implementation's forward; the backward from the saved out and lse: backward.py
+# (XLA) for the reference, the Triton backward kernel for the kernels.
 _differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
 
 
@@ -215,12 +216,19 @@ def _prefill_fwd(statics, q, kv, indices, attn_sink, lengths):
 
 
 def _prefill_bwd(statics, residuals, cotangents):
-  sm_scale, d_v = statics[:2]
+  sm_scale, d_v, impl, _, interpret = statics
   q, kv, indices, attn_sink, lengths, out, lse = residuals
   d_out, _, d_lse = cotangents  # max_logits is treated as a constant
-  dq, dkv, dsink = backward.sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse,
-                                               d_out, d_lse, sm_scale=sm_scale, d_v=d_v)
-  return dq, dkv, None, dsink, None
+  if impl == "xla":
+    dq, dkv, dsink = backward.sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse,
+                                                 d_out, d_lse, sm_scale=sm_scale, d_v=d_v)
+    return dq, dkv, None, dsink, None
+  # Triton and Mosaic GPU forwards: the Triton backward kernel (no Mosaic one yet).
+  f, g_out = backward.head_terms(out, lse, d_out, attn_sink)
+  dq, dkv = triton_backward.sparse_prefill_bwd(
+      q, kv, indices, lengths, d_out.astype(jnp.bfloat16), lse, f, d_lse - f * g_out,
+      sm_scale=sm_scale, d_v=d_v, config=triton_backward.Config(), interpret=interpret)
+  return dq, dkv.astype(kv.dtype), None, backward.sink_grad(f, g_out, attn_sink), None
 
 
 _differentiable_prefill.defvjp(_prefill_fwd, _prefill_bwd)

@@ -14,7 +14,8 @@ cotangent of ``out`` and ``c`` that of ``lse``::
 
 ``max_logits`` is treated as a constant (its cotangent is ignored). Invalid or masked
 indices get no gradient; a row with no valid key gives zero gradients (never NaN).
-GPU backward kernels are not written yet: this runs as XLA on every backend.
+This is the backward of the ``"xla"`` implementation; the kernels' backward is
+:mod:`.triton_backward`, which takes ``f`` and ``bias`` from :func:`head_terms`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,31 @@ from jax_mla.sparse_mla.layout import valid_slots
 _TOKENS_PER_STEP = 64
 
 
+def head_terms(out, lse, d_out, attn_sink):
+  """``(f, g_out)`` float32 ``[T, h]``: the sink factor ``f`` (1 without a sink and for
+  rows with no key) and ``g.out``."""
+  if attn_sink is None:
+    f = jnp.ones_like(lse)
+  else:
+    f = jnp.where(jnp.isinf(lse), 1.0, jax.nn.sigmoid(lse - attn_sink.astype(jnp.float32)))
+  g_out = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  return f, g_out
+
+
+def sink_grad(f, g_out, attn_sink):
+  """``dsink`` (``attn_sink``'s dtype; None without a sink)."""
+  if attn_sink is None:
+    return None
+  return (-jnp.sum((1.0 - f) * g_out, axis=0)).astype(attn_sink.dtype)
+
+
 def sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse, d_out, d_lse, *,
                        sm_scale: float, d_v: int):
   """``(dq, dkv, dsink)`` of :func:`jax_mla.sparse_mla.sparse_mla_prefill` (shapes and
   dtypes of ``q``, ``kv`` and ``attn_sink``; ``dsink`` None without a sink)."""
   s_q, h_q, d_qk = q.shape
   num_slots = kv.shape[0]
-  sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
+  f, g_out = head_terms(out, lse, d_out, attn_sink)
   step_t = min(_TOKENS_PER_STEP, s_q)
   n = -(-s_q // step_t)
   pad = n * step_t - s_q
@@ -44,9 +63,8 @@ def sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse, d_out, d_ls
     x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
     return x.reshape(n, step_t, *x.shape[1:])
 
-  def step(carry, c):
-    dkv, dsink = carry
-    q_c, idx_c, len_c, out_c, lse_c, g_c, dlse_c = c
+  def step(dkv, c):
+    q_c, idx_c, len_c, lse_c, g_c, f_c, bias_c = c
     valid = valid_slots(idx_c, len_c, num_slots)  # [T, K]
     safe = jnp.where(valid, idx_c, 0)
     rows = jnp.where(valid[..., None], kv[safe].astype(jnp.float32), 0.0)  # [T, K, d]
@@ -54,26 +72,19 @@ def sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse, d_out, d_ls
     s = jnp.einsum("thd,tkd->thk", qf, rows, precision=lax.Precision.HIGHEST) * sm_scale
     # lse is +inf for a row with no valid key: p = 0 there, like every masked key.
     p = jnp.where(valid[:, None, :], jnp.exp(s - lse_c[..., None]), 0.0)
-    f = (jnp.ones_like(lse_c) if sink is None
-         else jnp.where(jnp.isinf(lse_c), 1.0, jax.nn.sigmoid(lse_c - sink)))
     g = g_c.astype(jnp.float32)
-    g_out = jnp.sum(g * out_c.astype(jnp.float32), axis=-1)  # [T, h]
     g_v = jnp.einsum("thd,tkd->thk", g, rows[..., :d_v], precision=lax.Precision.HIGHEST)
-    ds = p * (f[..., None] * (g_v - g_out[..., None]) + dlse_c[..., None])
+    ds = p * (f_c[..., None] * g_v + bias_c[..., None])
     dq = sm_scale * jnp.einsum("thk,tkd->thd", ds, rows, precision=lax.Precision.HIGHEST)
     drows = sm_scale * jnp.einsum("thk,thd->tkd", ds, qf, precision=lax.Precision.HIGHEST)
     drows = drows.at[..., :d_v].add(
-        jnp.einsum("thk,thd->tkd", f[..., None] * p, g, precision=lax.Precision.HIGHEST))
+        jnp.einsum("thk,thd->tkd", f_c[..., None] * p, g, precision=lax.Precision.HIGHEST))
     target = jnp.where(valid, idx_c, num_slots).reshape(-1)  # invalid: dropped
-    dkv = dkv.at[target].add(drows.reshape(-1, d_qk), mode="drop")
-    if sink is not None:
-      dsink = dsink - jnp.sum((1.0 - f) * g_out, axis=0)
-    return (dkv, dsink), dq
+    return dkv.at[target].add(drows.reshape(-1, d_qk), mode="drop"), dq
 
-  inputs = (chunks(q), chunks(indices, -1), chunks(lengths), chunks(out), chunks(lse, jnp.inf),
-            chunks(d_out), chunks(d_lse))
-  init = (jnp.zeros(kv.shape, jnp.float32), jnp.zeros((h_q,), jnp.float32))
-  (dkv, dsink), dq = lax.scan(step, init, inputs)
+  # ds = p (f (g.V - g.out) + c) = p (f g.V + bias)
+  inputs = (chunks(q), chunks(indices, -1), chunks(lengths), chunks(lse, jnp.inf),
+            chunks(d_out), chunks(f), chunks(d_lse - f * g_out))
+  dkv, dq = lax.scan(step, jnp.zeros(kv.shape, jnp.float32), inputs)
   dq = dq.reshape(n * step_t, h_q, d_qk)[:s_q]
-  return (dq.astype(q.dtype), dkv.astype(kv.dtype),
-          None if attn_sink is None else dsink.astype(attn_sink.dtype))
+  return dq.astype(q.dtype), dkv.astype(kv.dtype), sink_grad(f, g_out, attn_sink)
