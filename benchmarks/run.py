@@ -125,6 +125,12 @@ def _smoke_mla_prefill(m):
                        heads=2)], anchor=False)
 
 
+def _smoke_mla_prefill_grad(m):
+  _interpret(m, "mla_prefill")
+  small = m.Case(name="smoke 2 seqs", len_q=(40, 9), len_k=(40, 17), causal=True, heads=2)
+  return m.run([small], check_case=small, anchor=False)
+
+
 def _smoke_paged_attention(m):
   return m.run([m.Workload(name="smoke bf16", num_seqs=2, seq_len=64, seed_us=1.0)])
 
@@ -163,6 +169,7 @@ SMOKE = {
     "bench_indexing": _smoke_indexing,
     "bench_mla_decode": _smoke_mla_decode,
     "bench_mla_prefill": _smoke_mla_prefill,
+    "bench_mla_prefill_grad": _smoke_mla_prefill_grad,
     "bench_paged_attention": _smoke_paged_attention,
     "bench_sharding": _smoke_sharding,
     "bench_sparse_mla": _smoke_sparse_mla,

@@ -24,7 +24,7 @@ from jax_mla._common import (
   check_static,
   resolve_implementation,
 )
-from jax_mla.dense_prefill import backward, triton
+from jax_mla.dense_prefill import backward, triton, triton_backward
 from jax_mla.dense_prefill.reference import mla_prefill_reference
 from jax_mla.sharding import OpSharding, shape_of
 
@@ -72,7 +72,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     ``lse = +inf``.
 
   Differentiable (``jax.grad``) in ``q``, ``k`` and ``v`` on every implementation; the
-  backward runs in jax.numpy (docs/api.md, section 9).
+  backward runs as Triton kernels after the Triton forward, in jax.numpy after the
+  reference (docs/api.md, section 9).
   """
   args, static = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal,
@@ -150,7 +151,8 @@ def _prefill_forward(statics, q, k, v, cu_seqlens_q, cu_seqlens_k):
                                    config=config, interpret=interpret)
 
 
-# Every implementation's forward, one backward (backward.py, XLA) from the saved out and lse.
+# The backward from the saved out and lse: XLA (backward.py) after the reference forward,
+# the Triton kernels (triton_backward.py) after the Triton forward.
 _differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
 
 
@@ -160,13 +162,19 @@ def _prefill_fwd(statics, q, k, v, cu_seqlens_q, cu_seqlens_k):
 
 
 def _prefill_bwd(statics, residuals, cotangents):
-  max_seqlen_q, max_seqlen_k, sm_scale, causal = statics[:4]
+  max_seqlen_q, max_seqlen_k, sm_scale, causal, config, interpret = statics
   q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = residuals
   d_out, d_lse = cotangents
-  dq, dk, dv = backward.mla_prefill_bwd(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse, max_seqlen_q=max_seqlen_q,
-      max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal)
-  return dq, dk, dv, None, None
+  kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sm_scale=sm_scale,
+            causal=causal)
+  if config is None:
+    grads = backward.mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out,
+                                     d_lse, **kw)
+  else:
+    grads = triton_backward.mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse,
+                                            d_out, d_lse, config=triton_backward.Config(),
+                                            interpret=interpret, **kw)
+  return *grads, None, None
 
 
 _differentiable_prefill.defvjp(_prefill_fwd, _prefill_bwd)

@@ -9,8 +9,8 @@ exp(s - lse_i)``, ``out_i = sum_j p v_j``. With ``g`` the cotangent of ``out`` a
 
 A query with no visible key (``lse = +inf``) gives zero gradients. Sequences are padded
 to ``[B, max_seqlen, H, D]`` and the queries taken in blocks, so memory grows with
-``B * H * 128 * max_seqlen_k``. GPU backward kernels are not written yet: this runs as
-XLA on every backend.
+``B * H * 128 * max_seqlen_k``. The backward of the reference forward
+(``implementation="xla"``) and the oracle of ``triton_backward``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_mla import _softmax
 from jax_mla._common import LOG2E, cdiv, check_power_of_two, next_pow2
 
-_MIN_TILE = 16  # smallest Triton dot tile
+MIN_TILE = 16  # smallest Triton dot tile
 
 
 def split_head_dim(d: int) -> tuple[int, int]:
@@ -38,14 +38,14 @@ def split_head_dim(d: int) -> tuple[int, int]:
   """
   main = 1 << (max(int(d), 1).bit_length() - 1)
   rest = d - main
-  if main < _MIN_TILE or (rest and (rest < _MIN_TILE or rest & (rest - 1))):
+  if main < MIN_TILE or (rest and (rest < MIN_TILE or rest & (rest - 1))):
     raise ValueError(
         f"the Triton kernel needs a q/k head size that is a power of two or a sum of two "
-        f"powers of two, each >= {_MIN_TILE} (e.g. 192 = 128 + 64); got {d}")
+        f"powers of two, each >= {MIN_TILE} (e.g. 192 = 128 + 64); got {d}")
   return main, rest
 
 
-def _seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens):
+def seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens):
   """``[B + 1, 4]`` int32 rows ``(q_start, len_q, k_start, len_k)``; row B is the tail."""
   q_start = cu_seqlens_q[:-1]
   len_q = cu_seqlens_q[1:] - q_start
@@ -55,6 +55,13 @@ def _seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens):
   tail = jnp.concatenate([tail_start, num_q_tokens - tail_start, jnp.zeros((2,), jnp.int32)])
   rows = jnp.stack([q_start, len_q, k_start, len_k], axis=1)
   return jnp.concatenate([rows, tail[None, :]], axis=0).astype(jnp.int32)
+
+
+def dot(a, b, *, trans_a=False, trans_b=False):
+  """``plgpu.dot``; float32 inputs get IEEE dots (Triton would use TF32), bf16/fp16 dots
+  are unchanged."""
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
 def _store_rows(o_ref, lse_ref, start, rows_ok, out, lse):
@@ -99,9 +106,6 @@ def _prefill_kernel(info_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     q_rest = (plgpu.load(q_ref.at[q_rows, pl.ds(d_main, d_rest)], mask=rows_ok[:, None],
                          other=0.0) if d_rest else None)
     scale = sm_scale * LOG2E  # scores in the base-2 domain: exp(x) = exp2(x * log2 e)
-    # float32 inputs get IEEE dots (Triton would use TF32); bf16/fp16 dots are unchanged.
-    dot = functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST
-                            if q_ref.dtype == jnp.float32 else None)
     col_ids = jnp.arange(block_k, dtype=jnp.int32)
     # Bottom-right causal alignment: row i sees keys j <= i + (len_k - len_q).
     shift = len_k - len_q
@@ -159,8 +163,8 @@ class Config:
   num_stages: int = 3
 
   def __post_init__(self):
-    check_power_of_two("Config.block_q", self.block_q, _MIN_TILE)
-    check_power_of_two("Config.block_k", self.block_k, _MIN_TILE)
+    check_power_of_two("Config.block_q", self.block_q, MIN_TILE)
+    check_power_of_two("Config.block_k", self.block_k, MIN_TILE)
 
 
 def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
@@ -173,10 +177,10 @@ def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_
   if num_q_tokens == 0 or k.shape[0] == 0:
     return (jnp.zeros((num_q_tokens, num_heads, d_v), q.dtype),
             jnp.full((num_q_tokens, num_heads), jnp.inf, jnp.float32))
-  block_q = max(_MIN_TILE, min(config.block_q, next_pow2(max(max_seqlen_q, 1))))
-  block_k = max(_MIN_TILE, min(config.block_k, next_pow2(k.shape[0])))
+  block_q = max(MIN_TILE, min(config.block_q, next_pow2(max(max_seqlen_q, 1))))
+  block_k = max(MIN_TILE, min(config.block_k, next_pow2(k.shape[0])))
   num_q_blocks = max(1, cdiv(max_seqlen_q, block_q))
-  info = _seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
+  info = seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
 
   kernel = functools.partial(
       _prefill_kernel, sm_scale=float(sm_scale), causal=causal, block_q=block_q,
