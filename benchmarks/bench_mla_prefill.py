@@ -6,8 +6,8 @@ FLOPs = 2 * (visible q-k pairs) * H * (d_qk + d_v); causal pairs per sequence L(
 There is no FlashMLA or seed anchor for dense prefill (benchmarks/RESULTS.md,
 "Anchors"): the anchor is torch's scaled_dot_product_attention on the same shapes
 (whichever backend torch picks for d_qk 192 / d_v 128), when torch is importable.
-``run()`` times the public ``mla_prefill``; ``--sweep`` times Triton ``Config``s of
-the public op.
+``run()`` times the public ``mla_prefill`` on each kernel (Mosaic GPU on Hopper, and
+Triton); ``--sweep`` times ``Config``s of both.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import Row, device_name, print_table, rel_err, time_us
-from jax_mla.dense_prefill import mla_prefill, triton
+from jax_mla import _mosaic
+from jax_mla.dense_prefill import mla_prefill, mosaic, triton
 
 D_QK, D_V = 192, 128
 # Calls take milliseconds, so dispatch does not matter and the inputs (GBs) overflow
@@ -43,8 +44,13 @@ def _inputs(len_q, len_k, heads, seed=0, tail_q=0):
   return q, k, v, _cu(len_q), _cu(len_k)
 
 
+def _implementations() -> list[str]:
+  return (["mosaic"] if _mosaic.on_hopper() else []) + ["triton"]
+
+
 def check() -> bool:
-  """Triton vs the XLA reference on ragged batches; prints a line each, returns all-OK."""
+  """The kernels vs the XLA reference on ragged batches; prints a line each, returns
+  all-OK."""
   rows = []
   for len_q, len_k, heads in [([700, 1, 0, 333, 1024], [900, 1, 5, 333, 1024], 8),
                               ([2048, 17], [2048, 4000], 16)]:
@@ -52,10 +58,11 @@ def check() -> bool:
     for causal in (True, False):
       kw = dict(max_seqlen_q=max(len_q), max_seqlen_k=max(len_k), sm_scale=D_QK**-0.5,
                 causal=causal, return_lse=True)
-      out, lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="triton", **kw)
       ref, ref_lse = mla_prefill(q, k, v, cu_q, cu_k, implementation="xla", **kw)
-      rows.append((f"lens_q={len_q} lens_k={len_k} H={heads} causal={causal}",
-                   rel_err(out, ref), rel_err(lse, ref_lse)))
+      for impl in _implementations():
+        out, lse = mla_prefill(q, k, v, cu_q, cu_k, implementation=impl, **kw)
+        rows.append((f"{impl}: lens_q={len_q} lens_k={len_k} H={heads} causal={causal}",
+                     rel_err(out, ref), rel_err(lse, ref_lse)))
   print("correctness (rel err vs xla reference, bf16):")
   ok = True
   for name, e_out, e_lse in rows:
@@ -94,28 +101,34 @@ def _case_sets(case: Case):
 
 
 def run(cases=CASES, *, anchor: bool = True) -> list[Row]:
-  """The public ``mla_prefill`` (default tiles) on each case, torch SDPA as the anchor."""
+  """The public ``mla_prefill`` (default tiles) on each case and kernel, torch SDPA as the
+  anchor."""
   dev = device_name()
   rows = []
   for case in cases:
     sets = _case_sets(case)
-    fn = lambda q, k, v, cu_q, cu_k, case=case: mla_prefill(
-        q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q), max_seqlen_k=max(case.len_k),
-        sm_scale=D_QK**-0.5, causal=case.causal)
-    us = time_us(fn, sets, reps=10)
     flops = _flops(case.len_q, case.len_k, case.heads, case.causal)
     sdpa = _torch_anchor(case, flops) if anchor else None
-    rows.append(Row("mla_prefill", f"{case.name}, H {case.heads}", us, flops / us / 1e6,
-                    "TFLOP/s", sdpa, "torch SDPA" if sdpa else "", dev))
+    for impl in _implementations():
+      fn = lambda q, k, v, cu_q, cu_k, case=case, impl=impl: mla_prefill(
+          q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q), max_seqlen_k=max(case.len_k),
+          sm_scale=D_QK**-0.5, causal=case.causal, implementation=impl)
+      us = time_us(fn, sets, reps=10)
+      rows.append(Row(f"mla_prefill {impl}", f"{case.name}, H {case.heads}", us,
+                      flops / us / 1e6, "TFLOP/s", sdpa, "torch SDPA" if sdpa else "", dev))
     del sets
   return rows
 
 
 def sweep(cases=CASES, budget_s: float = 150.0):
-  """Triton ``Config``s of the public op (for tuning; prints a line each)."""
+  """Triton and (on Hopper) Mosaic GPU ``Config``s of the public op (for tuning; prints a
+  line each)."""
   t0 = time.time()
   configs = [triton.Config(*c) for c in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3),
                                          (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]]
+  if _mosaic.on_hopper():
+    configs = [mosaic.Config(*c) for c in [(128, 2), (64, 2), (64, 3), (64, 4),
+                                           (128, 2, 240, 24)]] + configs
   for case in cases:
     sets = _case_sets(case)
     flops = _flops(case.len_q, case.len_k, case.heads, case.causal)
@@ -125,8 +138,9 @@ def sweep(cases=CASES, budget_s: float = 150.0):
         return
       fn = lambda q, k, v, cu_q, cu_k, cfg=cfg, case=case: mla_prefill(
           q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q), max_seqlen_k=max(case.len_k),
-          sm_scale=D_QK**-0.5, causal=case.causal, config=cfg, implementation="triton")
-      name = f"bq={cfg.block_q} bk={cfg.block_k} w={cfg.num_warps} s={cfg.num_stages}"
+          sm_scale=D_QK**-0.5, causal=case.causal, config=cfg,
+          implementation="mosaic" if isinstance(cfg, mosaic.Config) else "triton")
+      name = str(cfg)
       try:
         us = time_us(fn, sets, reps=10)
       except Exception as e:  # noqa: BLE001 - report and continue the sweep

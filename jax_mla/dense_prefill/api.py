@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_mla import _mosaic
 from jax_mla._common import (
   Implementation,
   as_int32,
@@ -24,7 +25,7 @@ from jax_mla._common import (
   check_static,
   resolve_implementation,
 )
-from jax_mla.dense_prefill import backward, triton, triton_backward
+from jax_mla.dense_prefill import backward, mosaic, triton, triton_backward
 from jax_mla.dense_prefill.reference import mla_prefill_reference
 from jax_mla.sharding import OpSharding, shape_of
 
@@ -34,8 +35,8 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, max_seqlen_q: int, max_seqlen_k: int,
                 sm_scale: float | None, causal: bool = True, return_lse: bool = False,
-                config: triton.Config | None = None, implementation: Implementation = None,
-                interpret: bool = False):
+                config: triton.Config | mosaic.Config | None = None,
+                implementation: Implementation = None, interpret: bool = False):
   """Varlen multi-head attention whose q/k head size differs from v's (MLA prefill).
 
   The ``flash_attn_varlen_func`` semantics vLLM's MLA backends rely on
@@ -57,9 +58,13 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     causal: bottom-right aligned causal mask (flash-attn >= 2.1): query ``i`` of a
       sequence sees key ``j`` iff ``j <= i + len_k - len_q``.
     return_lse: also return the softmax LSE.
-    config: ``None`` (the tuned defaults) or a :class:`jax_mla.dense_prefill.triton.Config`.
-    implementation: ``None`` (Triton on GPU), ``"triton"`` (old name ``"pallas"``) or
-      ``"xla"`` (the reference).
+    config: ``None`` (the tuned defaults), a :class:`jax_mla.dense_prefill.triton.Config`
+      (Triton) or a :class:`jax_mla.dense_prefill.mosaic.Config` (Mosaic GPU), matching
+      the implementation that runs.
+    implementation: ``None`` (on a Hopper GPU the Mosaic GPU kernel for the inputs it
+      takes, else Triton on GPU and the reference elsewhere), ``"mosaic"`` (Pallas
+      Mosaic GPU: bf16/fp16, ``d_v`` and ``d_qk - d_v`` multiples of 64 up to 256),
+      ``"triton"`` (old name ``"pallas"``) or ``"xla"`` (the reference).
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
@@ -72,8 +77,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     ``lse = +inf``.
 
   Differentiable (``jax.grad``) in ``q``, ``k`` and ``v`` on every implementation; the
-  backward runs as Triton kernels after the Triton forward, in jax.numpy after the
-  reference (docs/api.md, section 9).
+  backward runs as Triton kernels after the Mosaic GPU or Triton forward, in jax.numpy
+  after the reference (docs/api.md, section 9).
   """
   args, static = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal,
@@ -85,7 +90,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
 def mla_prefill_token_major(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                             cu_seqlens_k: jax.Array, *, max_seqlen_q: int, max_seqlen_k: int,
                             sm_scale: float | None, causal: bool = True,
-                            config: triton.Config | None = None,
+                            config: triton.Config | mosaic.Config | None = None,
                             implementation: Implementation = None, interpret: bool = False):
   """:func:`mla_prefill` with ``return_lse=True`` and the LSE token-major:
   ``(out [Tq, H, d_v], lse f32[Tq, H])``, ready for ``jax_mla.merge.merge_attn_states``."""
@@ -118,13 +123,20 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k
       raise ValueError(f"{name} must be a static int >= 0; got {value!r}")
   if sm_scale is not None:
     check_static("sm_scale", sm_scale, (int, float))
-  impl = resolve_implementation(implementation, interpret, like=q)
+  if implementation == "mosaic":
+    mosaic.check_supported(q, v, config if isinstance(config, mosaic.Config) else None)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=q)
+  if implementation is None and impl == "triton" and not interpret and _mosaic.default_for(
+      mosaic.check_supported, q, v):
+    impl = "mosaic"
   if impl == "triton":
     triton.split_head_dim(d_qk)
     d_v = v.shape[2]
     if d_v < 16 or d_v & (d_v - 1):
       raise ValueError(f"the Triton kernel needs a power-of-two v head size >= 16; got {d_v}")
-  config = backend_config(impl, config, triton=(triton.Config, lambda c: c or triton.Config()))
+  config = backend_config(impl, config, triton=(triton.Config, lambda c: c or triton.Config()),
+                          mosaic=(mosaic.Config,
+                                  lambda c: c or mosaic.default_config(d_qk, v.shape[2])))
   scale = 1.0 / math.sqrt(d_qk) if sm_scale is None else float(sm_scale)
   return (q, k, v, cu_seqlens_q, cu_seqlens_k), dict(
       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sm_scale=scale, causal=bool(causal),
@@ -146,13 +158,17 @@ def _prefill_forward(statics, q, k, v, cu_seqlens_q, cu_seqlens_k):
     return mla_prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                  sm_scale=sm_scale, causal=causal)
+  if isinstance(config, mosaic.Config):
+    return mosaic.mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
+                                     causal=causal, config=config)
   return triton.mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                    max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal,
                                    config=config, interpret=interpret)
 
 
 # The backward from the saved out and lse: XLA (backward.py) after the reference forward,
-# the Triton kernels (triton_backward.py) after the Triton forward.
+# the Triton kernels (triton_backward.py) after a kernel forward.
 _differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
 
 

@@ -1,5 +1,5 @@
 """How packed varlen tokens map to a padded per-sequence batch (the reference and the
-jax.numpy backward share it)."""
+jax.numpy backward share it) and to the kernels' per-sequence rows."""
 
 from __future__ import annotations
 
@@ -26,3 +26,15 @@ def causal_limit(len_q, len_k, max_seqlen_q):
   (flash-attn >= 2.1): query ``i`` sees keys ``j <= i + len_k - len_q``."""
   pos_q = jnp.arange(max_seqlen_q, dtype=jnp.int32)
   return pos_q[None, :] + (len_k - len_q)[:, None]
+
+
+def seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens):
+  """``[B + 1, 4]`` int32 rows ``(q_start, len_q, k_start, len_k)``; row B is the tail."""
+  q_start = cu_seqlens_q[:-1]
+  len_q = cu_seqlens_q[1:] - q_start
+  k_start = cu_seqlens_k[:-1]
+  len_k = cu_seqlens_k[1:] - k_start
+  tail_start = cu_seqlens_q[-1:]
+  tail = jnp.concatenate([tail_start, num_q_tokens - tail_start, jnp.zeros((2,), jnp.int32)])
+  rows = jnp.stack([q_start, len_q, k_start, len_k], axis=1)
+  return jnp.concatenate([rows, tail[None, :]], axis=0).astype(jnp.int32)

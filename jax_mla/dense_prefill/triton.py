@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_mla import _softmax
 from jax_mla._common import LOG2E, cdiv, check_power_of_two, next_pow2
+from jax_mla.dense_prefill.layout import seq_info
 
 MIN_TILE = 16  # smallest Triton dot tile
 
@@ -43,18 +44,6 @@ def split_head_dim(d: int) -> tuple[int, int]:
         f"the Triton kernel needs a q/k head size that is a power of two or a sum of two "
         f"powers of two, each >= {MIN_TILE} (e.g. 192 = 128 + 64); got {d}")
   return main, rest
-
-
-def seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens):
-  """``[B + 1, 4]`` int32 rows ``(q_start, len_q, k_start, len_k)``; row B is the tail."""
-  q_start = cu_seqlens_q[:-1]
-  len_q = cu_seqlens_q[1:] - q_start
-  k_start = cu_seqlens_k[:-1]
-  len_k = cu_seqlens_k[1:] - k_start
-  tail_start = cu_seqlens_q[-1:]
-  tail = jnp.concatenate([tail_start, num_q_tokens - tail_start, jnp.zeros((2,), jnp.int32)])
-  rows = jnp.stack([q_start, len_q, k_start, len_k], axis=1)
-  return jnp.concatenate([rows, tail[None, :]], axis=0).astype(jnp.int32)
 
 
 def dot(a, b, *, trans_a=False, trans_b=False):

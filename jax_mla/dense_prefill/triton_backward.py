@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_mla._common import LOG2E, cdiv, check_power_of_two, next_pow2
-from jax_mla.dense_prefill.triton import MIN_TILE, dot, seq_info, split_head_dim
+from jax_mla.dense_prefill.layout import seq_info
+from jax_mla.dense_prefill.triton import MIN_TILE, dot, split_head_dim
 
 
 @dataclasses.dataclass(frozen=True)

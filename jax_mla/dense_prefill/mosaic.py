@@ -1,0 +1,392 @@
+"""Pallas Mosaic GPU kernel (Hopper wgmma + TMA) for ``mla_prefill``.
+
+FlashAttention-3's forward on the packed varlen layout. One CTA takes 128 query rows
+of one sequence and one head and three warpgroups: a producer streams the sequence's
+key blocks (``K`` and ``V``, ``block_k`` rows each) into a ring of SMEM stages with
+TMA; two consumers each own 64 of the rows (``S = Q K^T`` over the whole q/k head,
+online softmax in base 2, ``O += P V``). The consumers take the tensor cores in turns
+(a two-arrival barrier, as in JAX's ``attention_mgpu.py``): one's softmax runs while
+the other's matmuls do. Only key blocks on the causal diagonal or past the sequence
+end are masked; a consumer whose rows see fewer blocks than its partner's still
+releases the stages it skips.
+
+The q/k head is held as two SMEM tiles, the first ``d_v`` columns and the rest (128
++ 64 for DeepSeek), so the first one stages the output at the end. TMA into the tiled
+(8 x 64) SMEM layout needs row offsets that are multiples of 8, so query tiles and key
+blocks start at the sequence's offset rounded down to 8 rows and take up to 7 rows of
+the previous sequence; 64-row tiles also run past a sequence's end. Hence:
+
+- such foreign query rows compute garbage that is never stored; foreign keys are
+  masked to ``-inf`` (``where``, so a NaN there never enters), and values past
+  ``cu_seqlens_k[-1]`` (which may be unwritten) come from a zero-padded copy of the
+  rows around it (``P = 0`` there, but ``0 * NaN`` is NaN); the values of the batch's
+  other sequences are read under ``P = 0`` and must be finite;
+- a consumer stores its 64 rows straight into ``out`` when they all belong to the
+  sequence, else into a side buffer (a sequence's first and last tile) that the
+  wrapper scatters; the LSE likewise, head-major so its tiles are contiguous;
+- an extra grid slot writes ``out = 0``, ``lse = +inf`` for the tokens past
+  ``cu_seqlens_q[-1]``, strided over the tile axis.
+
+The grid is ``(sequence + 1, head, tile)`` with the tile fastest (the last grid axis
+is ``blockIdx.x``), so the CTAs of one head run together and read its keys from L2;
+with ``causal`` the heaviest tiles (the last queries) go first.
+
+Shapes: bf16 or fp16, ``d_v`` and ``d_qk - d_v`` multiples of 64 of at most 256 (``d_qk
+- d_v`` may be 0). Others belong to the Triton kernel. Token counts that are not a
+multiple of 8 cost a padded copy of the inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_mla import _mosaic
+from jax_mla._common import LN2, LOG2E, cdiv
+from jax_mla.dense_prefill.layout import seq_info
+
+ROWS = 64  # query rows per consumer warpgroup: one wgmma M
+TILE = 2 * ROWS  # query rows per CTA
+ALIGN = 8  # rows of the SMEM tiling: TMA row offsets are multiples of it
+SMEM_BYTES = 227 * 1024  # an H100 CTA's shared memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Mosaic GPU ``mla_prefill`` kernel (changes no result beyond rounding).
+
+  Attributes:
+    block_k: keys per pipeline stage (64 or 128).
+    num_stages: SMEM stages of the key ring (2 to 4; 128-key stages of d 192/128 fit 2).
+    consumer_registers, producer_registers: per-thread registers of each consumer
+      warpgroup and of the producer (``setmaxnreg``: multiples of 8 with ``2 * consumer
+      + producer == 504``, the three warpgroups' share of the register file).
+  """
+  block_k: int = 128
+  num_stages: int = 2
+  consumer_registers: int = 232
+  producer_registers: int = 40
+
+  def __post_init__(self):
+    if self.block_k not in (64, 128):
+      raise ValueError(f"Config.block_k must be 64 or 128; got {self.block_k}")
+    if not 2 <= self.num_stages <= 4:
+      raise ValueError(f"Config.num_stages must be 2, 3 or 4; got {self.num_stages}")
+    c, p = self.consumer_registers, self.producer_registers
+    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != 504:
+      raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
+                       f"consumer <= 256 and 2 * consumer + producer == 504; got {c}, {p}")
+
+
+def _smem_bytes(d_qk: int, d_v: int, config: Config) -> int:
+  """The queries and LSE staging of both consumers plus the key ring."""
+  return 2 * ROWS * (d_qk * 2 + 4) + config.num_stages * config.block_k * (d_qk + d_v) * 2
+
+
+def default_config(d_qk: int, d_v: int) -> Config:
+  """``Config()`` where its two 128-key stages fit shared memory (d 192/128), else two
+  64-key stages."""
+  config = Config()
+  return config if _smem_bytes(d_qk, d_v, config) <= SMEM_BYTES else Config(block_k=64)
+
+
+def check_supported(q, v, config: Config | None = None):
+  """Raises ``ValueError`` for inputs this kernel does not take (the Triton one does);
+  ``config`` ``None``: :func:`default_config`."""
+  d_qk, d_v = q.shape[-1], v.shape[-1]
+  config = config or default_config(d_qk, d_v)
+  why = None
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    why = f"bf16 or fp16 inputs (got {q.dtype})"
+  elif d_v % 64 or not 64 <= d_v <= 256:
+    why = f"a v head size that is a multiple of 64 in [64, 256] (got {d_v})"
+  elif (d_qk - d_v) % 64 or not 0 <= d_qk - d_v <= 256:
+    why = f"d_qk - d_v a multiple of 64 in [0, 256] (got d_qk={d_qk}, d_v={d_v})"
+  elif _smem_bytes(d_qk, d_v, config) > SMEM_BYTES:
+    why = (f"{config.num_stages} stages of {config.block_k} keys within 227 KiB of shared "
+           f"memory at d_qk={d_qk}, d_v={d_v}")
+  if why:
+    raise ValueError(f"the Mosaic GPU mla_prefill kernel needs {why}; use "
+                     "implementation='triton' for this input")
+
+
+def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, o_side_ref,
+            lse_side_ref, smem, barriers, *, plgpu, num_seqs, num_tiles, causal, scale,
+            block_k, num_stages, registers):
+  q_a, q_b, k_a, k_b, v_s, lse_s = smem
+  q_bar, k_bar, v_bar, k_free, v_free, turn = barriers
+  seq = lax.axis_index("s")
+  head = lax.axis_index("h")
+  wg = lax.axis_index("wg")
+  q_start, len_q = info_ref[seq, 0], info_ref[seq, 1]
+  k_start, len_k = info_ref[seq, 2], info_ref[seq, 3]
+  # Tiles start at multiples of 8 rows (the SMEM tiling): q_off / k_off rows of the
+  # previous sequence lead the first query tile / key block.
+  q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
+  q_off, k_off = q_start - ALIGN * q8, k_start - ALIGN * k8
+  d_v = q_a.shape[-1]
+  row = _mosaic.row_layout(plgpu)
+
+  def store(m, out, lse):
+    """This warpgroup's 64 rows, 64-row tile ``m`` from the aligned start (staged in
+    ``q_a``): into ``out`` when all are the sequence's, else into a side slot."""
+    q_a.at[wg][...] = out.astype(q_a.dtype)
+    lse_s.at[wg][...] = lse
+    plgpu.commit_smem()
+    i0 = m * ROWS - q_off  # the tile's first row within the sequence
+    dst = pl.ds(ALIGN * (q8 + m * (ROWS // ALIGN)), ROWS)
+
+    @pl.when((i0 >= 0) & (i0 + ROWS <= len_q))
+    def _():
+      plgpu.copy_smem_to_gmem(q_a.at[wg], o_ref.at[dst, head])
+      plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[head, dst])
+
+    @pl.when(((i0 < 0) | (i0 + ROWS > len_q)) & (i0 < len_q))
+    def _():
+      side = jnp.where(m == 0, 0, 1)
+      plgpu.copy_smem_to_gmem(q_a.at[wg], o_side_ref.at[seq, side, head])
+      plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_side_ref.at[seq, side, head])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @pl.when((seq == num_seqs) & (wg < 2))  # tokens past cu_seqlens_q[-1]: out 0, lse +inf
+  def _tail():
+    zeros = plgpu.layout_cast(jnp.zeros((ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA)
+    inf = plgpu.layout_cast(jnp.full((ROWS,), jnp.inf, jnp.float32), row)
+
+    @pl.loop(0, cdiv(len_q + q_off, TILE * num_tiles))
+    def _(j):
+      m = 2 * (j * num_tiles + lax.axis_index("t")) + wg
+      pl.when(m * ROWS - q_off < len_q)(lambda: store(m, zeros, inf))
+
+  # With causal, tile 0 is the last (heaviest) one.
+  t = (num_tiles - 1 - lax.axis_index("t")) if causal else lax.axis_index("t")
+  shift = len_k - len_q  # bottom-right causal: row i sees keys j <= i + shift
+
+  def visible(lo, hi):
+    """Key blocks seen by the sequence's rows in ``[lo, hi)`` (0 if there are none)."""
+    lo, hi = jnp.maximum(lo, 0), jnp.minimum(hi, len_q)
+    keys = jnp.clip(hi + shift, 0, len_k) if causal else len_k
+    return jnp.where((hi > lo) & (keys > 0), cdiv(keys + k_off, block_k), 0)
+
+  cta_rows = t * TILE - q_off
+  cta_steps = visible(cta_rows, cta_rows + TILE)
+
+  @pl.when((seq < num_seqs) & (cta_rows < len_q) & (wg < 2))
+  def _consumer():
+    plgpu.set_max_registers(registers[0], action="increase")
+    m = 2 * t + wg
+    i0 = m * ROWS - q_off
+    steps = visible(i0, i0 + ROWS)
+    # Blocks [first_full, full_end) are seen whole by every real row: no mask. Block 0
+    # starts with the previous sequence's keys when k_off > 0.
+    first_full = jnp.minimum((k_off > 0).astype(jnp.int32), steps)
+    lim = jnp.clip(jnp.maximum(i0, 0) + shift + 1, 0, len_k) if causal else len_k
+    full_end = jnp.clip(lax.div(lim + k_off, block_k), first_full, steps)
+    src = pl.ds(ALIGN * (q8 + m * (ROWS // ALIGN)), ROWS)
+    plgpu.copy_gmem_to_smem(q_ref.at[src, head, pl.ds(0, d_v)], q_a.at[wg], q_bar.at[wg])
+    if q_b is not None:
+      plgpu.copy_gmem_to_smem(q_ref.at[src, head, pl.ds(d_v, q_b.shape[-1])], q_b.at[wg],
+                              q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+
+    def take_turn():
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    rows_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
+    cols_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
+
+    def step(i, carry, masked):
+      acc, m_run, l = carry
+      slot = lax.rem(i, num_stages)
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_a.at[wg], k_a.at[slot].transpose((1, 0)))
+        if q_b is not None:
+          plgpu.wgmma(s_ref, q_b.at[wg], k_b.at[slot].transpose((1, 0)))
+        take_turn()
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        keys = i * block_k - k_off + cols_iota
+        ok = (keys >= 0) & (keys < len_k)
+        if causal:
+          ok &= keys <= i0 + rows_iota + shift
+        s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m_run, s.max(axis=1) * scale)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      alpha = jnp.exp2(m_run - m_use)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p = p.astype(q_a.dtype)
+      plgpu.barrier_arrive(turn)  # softmax done
+      plgpu.barrier_wait(v_bar.at[slot])
+      plgpu.barrier_wait(turn)  # the tensor cores are ours
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_s.at[slot])
+
+        @pl.when(i + 1 < steps)
+        def _():
+          plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, num_stages)])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    def skip(i, _):  # a stage the partner needs and this warpgroup does not
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      take_turn()
+      take_turn()
+
+    carry = (plgpu.layout_cast(jnp.zeros((ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row),
+             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row))
+    pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
+    pl.when(wg == 1)(take_turn)  # warpgroup 0 takes the tensor cores first
+    masked_step = functools.partial(step, masked=True)
+    carry = lax.fori_loop(0, first_full, masked_step, carry)
+    carry = lax.fori_loop(first_full, full_end, functools.partial(step, masked=False), carry)
+    acc, m_run, l = lax.fori_loop(full_end, steps, masked_step, carry)
+    lax.fori_loop(steps, cta_steps, skip, None)
+    pl.when(wg == 0)(take_turn)
+
+    empty, l_safe = _mosaic.empty_rows(l)
+    inv = jnp.where(empty, 0.0, 1.0 / l_safe)
+    lse = jnp.where(empty, jnp.inf, (m_run + jnp.log2(l_safe)) * LN2)
+    store(m, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), lse)
+
+  @pl.when((seq < num_seqs) & (cta_rows < len_q) & (wg == 2))
+  def _producer():
+    plgpu.set_max_registers(registers[1], action="decrease")
+    end, tail8 = end_ref[0], end_ref[1]  # cu_seqlens_k[-1]: rows from it may be unwritten
+
+    @pl.loop(0, cta_steps)
+    def _(i):
+      slot = lax.rem(i, num_stages)
+      first8 = k8 + i * (block_k // ALIGN)
+      rows = pl.ds(ALIGN * first8, block_k)
+      pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+      plgpu.copy_gmem_to_smem(k_ref.at[rows, head, pl.ds(0, d_v)], k_a.at[slot], k_bar.at[slot])
+      if k_b is not None:
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, head, pl.ds(d_v, k_b.shape[-1])], k_b.at[slot],
+                                k_bar.at[slot])
+      pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+      past_end = ALIGN * first8 + block_k > end
+
+      @pl.when(jnp.logical_not(past_end))
+      def _():
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, head], v_s.at[slot], v_bar.at[slot])
+
+      @pl.when(past_end)
+      def _():
+        tail_rows = pl.ds(ALIGN * (first8 - tail8), block_k)
+        plgpu.copy_gmem_to_smem(v_tail_ref.at[tail_rows, head], v_s.at[slot], v_bar.at[slot])
+
+
+def _v_tail(v, end, block_k):
+  """``(v_tail, first8)``: ``v``'s rows from ``8 * first8 = floor8(max(end - block_k,
+  0))`` on, ``2 * block_k + 8`` of them, zero from ``end`` on: every key block that
+  crosses ``end`` (``cu_seqlens_k[-1]``) lies in it."""
+  first8 = jnp.maximum(end - block_k, 0) // ALIGN
+  idx = ALIGN * first8 + jnp.arange(2 * block_k + ALIGN, dtype=jnp.int32)
+  ok = idx < end
+  tail = jnp.where(ok[:, None, None], v[jnp.clip(idx, 0, v.shape[0] - 1)], 0).astype(v.dtype)
+  return tail, first8
+
+
+def _scatter_side(out, lse, o_side, lse_side, info):
+  """Writes the partial 64-row tiles (slot 0: a sequence's first, slot 1: its last) from
+  the side buffers into ``out`` and ``lse`` (head-major)."""
+  num_q_tokens = out.shape[0]
+  q_start, len_q = info[:, 0], info[:, 1]
+  q_off = q_start % ALIGN
+  last = jnp.maximum(len_q - 1 + q_off, 0) // ROWS  # the tile holding the last row
+  first_partial = (q_off > 0) | (len_q < ROWS)
+  last_partial = (last > 0) & ((last + 1) * ROWS - q_off > len_q)
+  r = jnp.arange(ROWS, dtype=jnp.int32)
+  m = jnp.stack([jnp.zeros_like(last), last], axis=1)  # [S, 2] tile of each slot
+  i = m[..., None] * ROWS - q_off[:, None, None] + r  # [S, 2, 64] row within the sequence
+  used = jnp.stack([first_partial, last_partial], axis=1)[..., None]
+  ok = used & (i >= 0) & (i < len_q[:, None, None])
+  idx = jnp.where(ok, q_start[:, None, None] + i, num_q_tokens).reshape(-1)
+  rows = jnp.moveaxis(o_side, 2, 3).reshape(-1, *out.shape[1:])  # [S, 2, 64, H, d_v]
+  out = out.at[idx].set(rows, mode="drop")
+  lse_rows = jnp.moveaxis(lse_side, 2, 0).reshape(lse.shape[0], -1)  # [H, S * 2 * 64]
+  lse = lse.at[:, idx].set(lse_rows, mode="drop")
+  return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "sm_scale", "causal", "config"))
+def mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
+                       config: Config):
+  """Kernel entry (inputs validated by :func:`jax_mla.dense_prefill.mla_prefill` and
+  :func:`check_supported`): ``(out[Tq, H, d_v], lse f32[Tq, H])``."""
+  plgpu = _mosaic.plgpu()
+  num_q_tokens, num_heads, d_qk = q.shape
+  d_v = v.shape[-1]
+  num_seqs = cu_seqlens_q.shape[0] - 1
+  if num_q_tokens == 0 or k.shape[0] == 0:
+    return (jnp.zeros((num_q_tokens, num_heads, d_v), q.dtype),
+            jnp.full((num_q_tokens, num_heads), jnp.inf, jnp.float32))
+  block_k, num_stages = config.block_k, config.num_stages
+  # TMA into tiled SMEM views the GMEM rows as tiles of 8: pad the token counts to that.
+  pad = lambda x: jnp.pad(x, ((0, -x.shape[0] % ALIGN), (0, 0), (0, 0)))  # noqa: E731
+  q, k, v = pad(q), pad(k), pad(v)
+  rows_q = q.shape[0]
+  num_tiles = max(1, cdiv(max_seqlen_q + ALIGN - 1, TILE))  # + the leading q_off rows
+  info = seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
+  v_tail, tail8 = _v_tail(v, cu_seqlens_k[-1], block_k)
+  end = jnp.stack([cu_seqlens_k[-1], tail8]).astype(jnp.int32)
+  d_b = d_qk - d_v
+
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (
+      plgpu.SMEM((2, ROWS, d_v), q.dtype, transforms=swizzled),
+      plgpu.SMEM((2, ROWS, d_b), q.dtype, transforms=swizzled) if d_b else None,
+      plgpu.SMEM((num_stages, block_k, d_v), q.dtype, transforms=swizzled),
+      plgpu.SMEM((num_stages, block_k, d_b), q.dtype, transforms=swizzled) if d_b else None,
+      plgpu.SMEM((num_stages, block_k, d_v), q.dtype, transforms=swizzled),
+      plgpu.SMEM((2, ROWS), jnp.float32),
+  )
+  copies = 2 if d_b else 1
+  barriers = (
+      plgpu.Barrier(num_arrivals=copies, num_barriers=2),  # a consumer's queries loaded
+      plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),  # K stage loaded
+      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # V stage loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # K stage free: both consumers
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # V stage free
+      plgpu.Barrier(num_arrivals=2),  # the consumers' turns on the tensor cores
+  )
+  kernel = functools.partial(
+      _kernel, plgpu=plgpu, num_seqs=num_seqs, num_tiles=num_tiles, causal=causal,
+      scale=float(sm_scale) * LOG2E, block_k=block_k, num_stages=num_stages,
+      registers=(config.consumer_registers, config.producer_registers))
+
+  def entry(*refs):
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                  barriers, collective_axes="wg")
+
+  lse_cols = cdiv(num_q_tokens, ROWS) * ROWS  # TMA wants 16-byte row strides
+  out_type = (jax.ShapeDtypeStruct((rows_q, num_heads, d_v), q.dtype),
+              jax.ShapeDtypeStruct((num_heads, lse_cols), jnp.float32),
+              jax.ShapeDtypeStruct((num_seqs + 1, 2, num_heads, ROWS, d_v), q.dtype),
+              jax.ShapeDtypeStruct((num_seqs + 1, 2, num_heads, ROWS), jnp.float32))
+  out, lse, o_side, lse_side = plgpu.kernel(
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
+      grid=(num_seqs + 1, num_heads, num_tiles), grid_names=("s", "h", "t"), num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(info, end, q, k, v, v_tail)
+  out, lse = _scatter_side(out[:num_q_tokens], lse, o_side, lse_side, info)
+  return out, lse[:, :num_q_tokens].T

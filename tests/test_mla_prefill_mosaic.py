@@ -1,0 +1,132 @@
+"""mla_prefill on the Mosaic GPU kernel vs the jax.numpy reference.
+
+Mosaic GPU has no interpreter: the kernel tests need a Hopper GPU (``@pytest.mark.gpu``);
+the input checks run anywhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rel_err
+
+from jax_mla import _mosaic
+from jax_mla.dense_prefill import mla_prefill, mosaic
+from jax_mla.dense_prefill.reference import mla_prefill_reference
+
+
+def _case(seed, lens_q, lens_k, *, heads=3, d_qk=192, d_v=128, tail_q=0, tail_k=0):
+  """Packed bf16 inputs; NaN in every row past ``cu_seqlens[-1]``."""
+  rng = np.random.default_rng(seed)
+  tq, tk = sum(lens_q), sum(lens_k)
+  q = rng.standard_normal((tq + tail_q, heads, d_qk)).astype(np.float32) / 2
+  k = rng.standard_normal((tk + tail_k, heads, d_qk)).astype(np.float32) / 2
+  v = rng.standard_normal((tk + tail_k, heads, d_v)).astype(np.float32)
+  q[tq:], k[tk:], v[tk:] = np.nan, np.nan, np.nan
+  cu = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)  # noqa: E731
+  return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
+          cu(lens_q), cu(lens_k))
+
+
+def _check(args, *, causal, config=None, sm_scale=0.08):
+  lens_q = np.diff(np.asarray(args[3]))
+  lens_k = np.diff(np.asarray(args[4]))
+  kw = dict(max_seqlen_q=max(int(lens_q.max()), 1), max_seqlen_k=max(int(lens_k.max()), 1),
+            sm_scale=sm_scale, causal=causal)
+  out, lse = mla_prefill(*args, **kw, return_lse=True, implementation="mosaic", config=config)
+  ref_out, ref_lse = mla_prefill(*args, **kw, return_lse=True, implementation="xla")
+  out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+  assert np.isfinite(out).all() and not np.isnan(lse).any()
+  assert rel_err(out, ref_out) < 1e-2
+  np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(ref_lse))
+  fin = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-2, rtol=1e-2)
+  end = int(args[3][-1])  # tokens past the last sequence: out 0, lse +inf
+  assert (out[end:] == 0).all() and np.isposinf(lse[:, end:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lens_q,lens_k,tail_q,tail_k", [
+    # tiles cut mid-sequence, sequences shorter than a 64-row tile, an empty one
+    ((300, 1, 0, 77, 128, 64), (300, 1, 5, 77, 128, 64), 37, 3),
+    # len_q > len_k (causal: queries with no key), long keys (several stages per tile)
+    ((200, 65, 9), (130, 700, 1), 0, 100),
+    # one sequence, the padding rows longer than max_seqlen_q (the tail loop)
+    ((70,), (70,), 400, 0),
+])
+def test_kernel_matches_reference(causal, lens_q, lens_k, tail_q, tail_k):
+  _check(_case(len(lens_q) + tail_q, lens_q, lens_k, tail_q=tail_q, tail_k=tail_k),
+         causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [mosaic.Config(block_k=64, num_stages=4),
+                                    mosaic.Config(block_k=64, num_stages=2,
+                                                  consumer_registers=240, producer_registers=24)])
+def test_configs(config):
+  args = _case(5, (257, 63, 640), (257, 100, 640), tail_k=70)
+  for causal in (True, False):
+    _check(args, causal=causal, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk,d_v", [(128, 128), (256, 128), (128, 64)])
+def test_head_sizes(d_qk, d_v):
+  args = _case(6, (190, 5, 64), (190, 300, 64), d_qk=d_qk, d_v=d_v, tail_q=3)
+  _check(args, causal=True, sm_scale=d_qk**-0.5)
+
+
+@pytest.mark.gpu
+def test_default_on_hopper_and_gradients():
+  lens_q, lens_k = (150, 7, 66), (150, 200, 66)
+  q, k, v, cu_q, cu_k = _case(7, lens_q, lens_k, tail_q=2)
+  q = q.at[-2:].set(0)  # gradients are compared everywhere
+  kw = dict(max_seqlen_q=150, max_seqlen_k=200, sm_scale=0.08, causal=True)
+  assert _mosaic.on_hopper()
+  w = jax.random.normal(jax.random.PRNGKey(0), (q.shape[0], q.shape[1], v.shape[-1]))
+
+  def loss(impl):
+    def f(q, k, v):
+      out, lse = mla_prefill(q, k, v, cu_q, cu_k, **kw, return_lse=True, implementation=impl)
+      return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+    return f
+
+  default = jax.jit(lambda *a: mla_prefill(*a, **kw))(q, k, v, cu_q, cu_k)
+  forced = mla_prefill(q, k, v, cu_q, cu_k, **kw, implementation="mosaic")
+  np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(forced, np.float32))
+  k = jnp.where(jnp.isnan(k), 0, k)
+  v = jnp.where(jnp.isnan(v), 0, v)
+  got = jax.grad(loss("mosaic"), argnums=(0, 1, 2))(q, k, v)
+
+  def ref_loss(q, k, v):
+    out, lse = mla_prefill_reference(q, k, v, cu_q, cu_k, **kw)
+    return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+  want = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+  for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+    assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
+
+
+def test_check_supported_and_config():
+  q = jnp.zeros((4, 2, 192), jnp.bfloat16)
+  v = jnp.zeros((4, 2, 128), jnp.bfloat16)
+  mosaic.check_supported(q, v)
+  with pytest.raises(ValueError, match="bf16 or fp16"):
+    mosaic.check_supported(q.astype(jnp.float32), v.astype(jnp.float32))
+  with pytest.raises(ValueError, match="v head size"):
+    mosaic.check_supported(jnp.zeros((4, 2, 96), jnp.bfloat16), jnp.zeros((4, 2, 32), q.dtype))
+  with pytest.raises(ValueError, match="d_qk - d_v"):
+    mosaic.check_supported(jnp.zeros((4, 2, 160), jnp.bfloat16), v)
+  with pytest.raises(ValueError, match="shared memory"):
+    mosaic.check_supported(q, v, mosaic.Config(block_k=128, num_stages=3))
+  with pytest.raises(ValueError, match="block_k"):
+    mosaic.Config(block_k=32)
+  with pytest.raises(ValueError, match="register split"):
+    mosaic.Config(consumer_registers=240, producer_registers=40)
+  if not _mosaic.on_hopper():  # the op refuses "mosaic" off a GPU with an actionable message
+    with pytest.raises(ValueError, match="needs a GPU|Mosaic"):
+      mla_prefill(q, q, v, jnp.array([0, 4]), jnp.array([0, 4]), max_seqlen_q=4, max_seqlen_k=4,
+                  sm_scale=0.1, implementation="mosaic")
