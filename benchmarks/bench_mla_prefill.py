@@ -86,10 +86,24 @@ class Case:
   causal: bool
   heads: int = 128
 
+  @property
+  def equal_lengths(self) -> bool:
+    """Every sequence has one length: torch SDPA (batched, not varlen) takes the case."""
+    return len(set(self.len_q + self.len_k)) == 1
+
+
+def _ragged(n, lo, hi, seed):
+  return tuple(int(x) for x in np.random.default_rng(seed).integers(lo, hi, n))
+
 
 CASES = [
     Case("8 x 4096 causal", (4096,) * 8, (4096,) * 8, True),
     Case("8 x 4096 q vs 4096 ctx, non-causal", (4096,) * 8, (4096,) * 8, False),
+    # vLLM-like chunked prefill batches: odd lengths and token counts (no SDPA anchor).
+    Case("64 ragged 100-1000, causal", _ragged(64, 100, 1000, 1), _ragged(64, 100, 1000, 1),
+         True, heads=16),
+    Case("256 ragged 20-300, causal", _ragged(256, 20, 300, 2), _ragged(256, 20, 300, 2),
+         True),
 ]
 
 
@@ -108,7 +122,7 @@ def run(cases=CASES, *, anchor: bool = True) -> list[Row]:
   for case in cases:
     sets = _case_sets(case)
     flops = _flops(case.len_q, case.len_k, case.heads, case.causal)
-    sdpa = _torch_anchor(case, flops) if anchor else None
+    sdpa = _torch_anchor(case, flops) if anchor and case.equal_lengths else None
     for impl in _implementations():
       fn = lambda q, k, v, cu_q, cu_k, case=case, impl=impl: mla_prefill(
           q, k, v, cu_q, cu_k, max_seqlen_q=max(case.len_q), max_seqlen_k=max(case.len_k),
@@ -152,7 +166,7 @@ def sweep(cases=CASES, budget_s: float = 150.0):
 
 
 def _torch_anchor(case: Case, flops) -> float | None:
-  """torch SDPA TFLOP/s on the same (equal-length) shapes. A torch op on torch's stream,
+  """torch SDPA TFLOP/s on the same shapes (equal lengths only). A torch op on torch's stream,
   so triton's event timer brackets it correctly (unlike a JAX call)."""
   try:
     import torch

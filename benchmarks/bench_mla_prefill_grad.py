@@ -66,7 +66,7 @@ def run(cases=CASES, *, check_case: Case = CHECK, anchor: bool = True) -> list[R
   for case in cases:
     us = time_us(lambda f, g: f(g), _grad_sets(case), reps=10)
     flops = BACKWARD * _flops(case.len_q, case.len_k, case.heads, case.causal)
-    sdpa = _torch_backward_tflops(case, flops) if anchor else None
+    sdpa = _torch_backward_tflops(case, flops) if anchor and case.equal_lengths else None
     rows.append(Row("mla_prefill backward", f"{case.name}, H {case.heads} (grad rel err "
                     f"{err:.1e})", us, flops / us / 1e6, "TFLOP/s", sdpa,
                     "torch SDPA backward" if sdpa else "", device_name()))

@@ -121,6 +121,7 @@ def _smoke_mla_decode(m):
 
 
 def _smoke_mla_prefill(m):
+  _interpret(m, "mla_prefill")
   return m.run([m.Case(name="smoke 2 seqs", len_q=(48, 16), len_k=(48, 16), causal=True,
                        heads=2)], anchor=False)
 

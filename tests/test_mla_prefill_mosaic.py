@@ -81,31 +81,33 @@ def test_head_sizes(d_qk, d_v):
 
 @pytest.mark.gpu
 def test_default_on_hopper_and_gradients():
-  lens_q, lens_k = (150, 7, 66), (150, 200, 66)
-  q, k, v, cu_q, cu_k = _case(7, lens_q, lens_k, tail_q=2)
-  q = q.at[-2:].set(0)  # gradients are compared everywhere
-  kw = dict(max_seqlen_q=150, max_seqlen_k=200, sm_scale=0.08, causal=True)
-  assert _mosaic.on_hopper()
-  w = jax.random.normal(jax.random.PRNGKey(0), (q.shape[0], q.shape[1], v.shape[-1]))
-
-  def loss(impl):
-    def f(q, k, v):
-      out, lse = mla_prefill(q, k, v, cu_q, cu_k, **kw, return_lse=True, implementation=impl)
-      return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
-    return f
-
-  default = jax.jit(lambda *a: mla_prefill(*a, **kw))(q, k, v, cu_q, cu_k)
-  forced = mla_prefill(q, k, v, cu_q, cu_k, **kw, implementation="mosaic")
-  np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(forced, np.float32))
+  lens_q, lens_k = (300, 212), (300, 404)  # token counts multiples of 8, long sequences
+  q, k, v, cu_q, cu_k = _case(7, lens_q, lens_k, tail_q=8)
+  q = q.at[-8:].set(0)  # gradients are compared everywhere
   k = jnp.where(jnp.isnan(k), 0, k)
   v = jnp.where(jnp.isnan(v), 0, v)
-  got = jax.grad(loss("mosaic"), argnums=(0, 1, 2))(q, k, v)
+  kw = dict(max_seqlen_q=300, max_seqlen_k=404, sm_scale=0.08, causal=True)
+  assert _mosaic.on_hopper()
 
-  def ref_loss(q, k, v):
-    out, lse = mla_prefill_reference(q, k, v, cu_q, cu_k, **kw)
+  def run(q, k, impl=None):
+    return jax.jit(lambda *a: mla_prefill(*a, **kw, implementation=impl))(q, k, v, cu_q, cu_k)
+
+  same = lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),  # noqa: E731
+                                                    np.asarray(b, np.float32))
+  same(run(q, k), run(q, k, "mosaic"))
+  # A token count that is not a multiple of 8 defaults to Triton (no padded copy).
+  same(run(q[:-3], k), run(q[:-3], k, "triton"))
+
+  w = jax.random.normal(jax.random.PRNGKey(0), (q.shape[0], q.shape[1], v.shape[-1]))
+
+  def loss(out, lse):
     return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-  want = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(lambda *a: loss(*mla_prefill(*a, cu_q, cu_k, **kw, return_lse=True,
+                                              implementation="mosaic")),
+                 argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(lambda *a: loss(*mla_prefill_reference(*a, cu_q, cu_k, **kw)),
+                  argnums=(0, 1, 2))(q, k, v)
   for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
     assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
 
@@ -126,6 +128,14 @@ def test_check_supported_and_config():
     mosaic.Config(block_k=32)
   with pytest.raises(ValueError, match="register split"):
     mosaic.Config(consumer_registers=240, producer_registers=40)
+  tokens = lambda n: jnp.zeros((n, 2, 192), jnp.bfloat16)  # noqa: E731
+  mosaic.check_default(tokens(512), tokens(8), v, 2)
+  with pytest.raises(ValueError, match="multiples of 8"):
+    mosaic.check_default(tokens(510), tokens(8), v, 2)
+  with pytest.raises(ValueError, match="multiples of 8"):
+    mosaic.check_default(tokens(512), tokens(9), v, 2)
+  with pytest.raises(ValueError, match="256 query tokens on average"):
+    mosaic.check_default(tokens(512), tokens(8), v, 3)
   if not _mosaic.on_hopper():  # the op refuses "mosaic" off a GPU with an actionable message
     with pytest.raises(ValueError, match="needs a GPU|Mosaic"):
       mla_prefill(q, q, v, jnp.array([0, 4]), jnp.array([0, 4]), max_seqlen_q=4, max_seqlen_k=4,

@@ -62,9 +62,10 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       (Triton) or a :class:`jax_mla.dense_prefill.mosaic.Config` (Mosaic GPU), matching
       the implementation that runs.
     implementation: ``None`` (on a Hopper GPU the Mosaic GPU kernel for the inputs it
-      takes, else Triton on GPU and the reference elsewhere), ``"mosaic"`` (Pallas
-      Mosaic GPU: bf16/fp16, ``d_v`` and ``d_qk - d_v`` multiples of 64 up to 256),
-      ``"triton"`` (old name ``"pallas"``) or ``"xla"`` (the reference).
+      takes where it is the faster one: token counts multiples of 8, sequences of 256
+      queries or more on average; else Triton on GPU and the reference elsewhere),
+      ``"mosaic"`` (Pallas Mosaic GPU: bf16/fp16, ``d_v`` and ``d_qk - d_v`` multiples of
+      64 up to 256), ``"triton"`` (old name ``"pallas"``) or ``"xla"`` (the reference).
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
@@ -127,7 +128,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k
     mosaic.check_supported(q, v, config if isinstance(config, mosaic.Config) else None)
   impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=q)
   if implementation is None and impl == "triton" and not interpret and _mosaic.default_for(
-      mosaic.check_supported, q, v):
+      mosaic.check_default, q, k, v, cu_seqlens_q.shape[0] - 1):
     impl = "mosaic"
   if impl == "triton":
     triton.split_head_dim(d_qk)

@@ -54,6 +54,7 @@ ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 TILE = 2 * ROWS  # query rows per CTA
 ALIGN = 8  # rows of the SMEM tiling: TMA row offsets are multiples of it
 SMEM_BYTES = 227 * 1024  # an H100 CTA's shared memory
+MIN_MEAN_LEN = 256  # mean query length from which the default prefers this kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,20 @@ def check_supported(q, v, config: Config | None = None):
   if why:
     raise ValueError(f"the Mosaic GPU mla_prefill kernel needs {why}; use "
                      "implementation='triton' for this input")
+
+
+def check_default(q, k, v, num_seqs: int):
+  """Raises ``ValueError`` where ``implementation=None`` should run Triton instead, as
+  measured on an H100 (benchmarks/RESULTS.md): token counts that are not multiples of 8
+  (the padded copy costs up to 2.5x) or sequences shorter than ``MIN_MEAN_LEN`` on
+  average (partial tiles and side buffers dominate)."""
+  check_supported(q, v)
+  if q.shape[0] % ALIGN or k.shape[0] % ALIGN:
+    raise ValueError(f"token counts that are multiples of {ALIGN} (got {q.shape[0]}, "
+                     f"{k.shape[0]})")
+  if q.shape[0] < MIN_MEAN_LEN * num_seqs:
+    raise ValueError(f"sequences of {MIN_MEAN_LEN} query tokens on average (got "
+                     f"{q.shape[0]} tokens in {num_seqs} sequences)")
 
 
 def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, o_side_ref,
