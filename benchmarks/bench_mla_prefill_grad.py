@@ -2,7 +2,8 @@
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_mla_prefill_grad [--configs ...]
 
-``run()`` checks ``jax.grad`` of the public ``mla_prefill`` (Triton forward and backward
+``run()`` checks ``jax.grad`` of the public ``mla_prefill`` after each kernel forward
+(Mosaic GPU on Hopper: its dq kernel and the Triton dk/dv kernel; Triton: both Triton
 kernels) against the XLA backward on a ragged batch, then times the backward alone (the
 ``jax.vjp`` function of the forward, applied to a cotangent) on ``bench_mla_prefill``'s
 cases. FLOPs = 2.5x the forward's (issue #19's count: recomputed ``Q K^T``, ``dO V^T``,
@@ -23,7 +24,16 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_mla_prefill import CASES, D_QK, D_V, Case, _case_sets, _flops, _inputs
+from benchmarks.bench_mla_prefill import (
+    CASES,
+    D_QK,
+    D_V,
+    Case,
+    _case_sets,
+    _flops,
+    _implementations,
+    _inputs,
+)
 from benchmarks.harness import Row, check_close, device_name, print_table, time_us
 from jax_mla.dense_prefill import mla_prefill, mla_prefill_token_major, triton_backward
 
@@ -47,16 +57,17 @@ def check(base: Case = CHECK) -> float:
     q, k, v, cu_q, cu_k = _inputs(case.len_q, case.len_k, case.heads, tail_q=5)
     g = jax.random.normal(jax.random.key(3), (q.shape[0], case.heads, D_V), jnp.bfloat16)
     grads = lambda impl, g, *a, c=case: _vjp(c, impl, *a)[1](g)  # noqa: E731
-    got = jax.jit(functools.partial(grads, "triton"))(g, q, k, v, cu_q, cu_k)
     want = jax.jit(functools.partial(grads, "xla"))(g, q, k, v, cu_q, cu_k)
-    worst = max(worst, *(check_close(f"{name} causal={causal}", a, b)
-                         for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True)))
+    for impl in _implementations():
+      got = jax.jit(functools.partial(grads, impl))(g, q, k, v, cu_q, cu_k)
+      worst = max(worst, *(check_close(f"{impl} {name} causal={causal}", a, b)
+                           for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True)))
   return worst
 
 
-def _grad_sets(case: Case):
+def _grad_sets(case: Case, impl: str):
   g = jax.random.normal(jax.random.key(7), (sum(case.len_q), case.heads, D_V), jnp.bfloat16)
-  vjp = jax.jit(functools.partial(_vjp, case, "triton"))
+  vjp = jax.jit(functools.partial(_vjp, case, impl))
   return [(vjp(*s)[1], g) for s in _case_sets(case)]
 
 
@@ -64,12 +75,13 @@ def run(cases=CASES, *, check_case: Case = CHECK, anchor: bool = True) -> list[R
   err = check(check_case)
   rows = []
   for case in cases:
-    us = time_us(lambda f, g: f(g), _grad_sets(case), reps=10)
     flops = BACKWARD * _flops(case.len_q, case.len_k, case.heads, case.causal)
     sdpa = _torch_backward_tflops(case, flops) if anchor and case.equal_lengths else None
-    rows.append(Row("mla_prefill backward", f"{case.name}, H {case.heads} (grad rel err "
-                    f"{err:.1e})", us, flops / us / 1e6, "TFLOP/s", sdpa,
-                    "torch SDPA backward" if sdpa else "", device_name()))
+    for impl in _implementations():  # the backward after this forward
+      us = time_us(lambda f, g: f(g), _grad_sets(case, impl), reps=10)
+      rows.append(Row(f"mla_prefill backward ({impl} fwd)", f"{case.name}, H {case.heads} "
+                      f"(grad rel err {err:.1e})", us, flops / us / 1e6, "TFLOP/s", sdpa,
+                      "torch SDPA backward" if sdpa else "", device_name()))
   return rows
 
 

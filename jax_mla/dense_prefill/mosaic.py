@@ -84,16 +84,21 @@ class Config:
                        f"consumer <= 256 and 2 * consumer + producer == 504; got {c}, {p}")
 
 
-def _smem_bytes(d_qk: int, d_v: int, config: Config) -> int:
-  """The queries and LSE staging of both consumers plus the key ring."""
-  return 2 * ROWS * (d_qk * 2 + 4) + config.num_stages * config.block_k * (d_qk + d_v) * 2
+def _smem_bytes(d_qk: int, d_v: int, config: Config, grad: bool = False) -> int:
+  """The queries and LSE staging of both consumers (with ``grad``, also their dO rows and
+  b) plus the key ring."""
+  rows = 2 * ROWS * (d_qk * 2 + 4 + grad * (d_v * 2 + 4))
+  return rows + config.num_stages * config.block_k * (d_qk + d_v) * 2
 
 
-def default_config(d_qk: int, d_v: int) -> Config:
-  """``Config()`` where its two 128-key stages fit shared memory (d 192/128), else two
-  64-key stages."""
-  config = Config()
-  return config if _smem_bytes(d_qk, d_v, config) <= SMEM_BYTES else Config(block_k=64)
+def default_config(d_qk: int, d_v: int, grad: bool = False) -> Config:
+  """The forward: ``Config()`` where its two 128-key stages fit shared memory (d 192/128),
+  else two 64-key stages. The ``dq`` kernel (``grad``): 64-key stages (its scores, dP and
+  two dq accumulators fill the registers at 128), three where they fit."""
+  configs = [Config(block_k=64, num_stages=3)] if grad else [Config()]
+  configs.append(Config(block_k=64))
+  fits = [c for c in configs if _smem_bytes(d_qk, d_v, c, grad) <= SMEM_BYTES]
+  return fits[0] if fits else configs[-1]
 
 
 def check_supported(q, v, config: Config | None = None):
@@ -130,10 +135,20 @@ def check_default(q, k, v, num_seqs: int):
                      f"{q.shape[0]} tokens in {num_seqs} sequences)")
 
 
-def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, o_side_ref,
-            lse_side_ref, smem, barriers, *, plgpu, num_seqs, num_tiles, causal, scale,
-            block_k, num_stages, registers):
-  q_a, q_b, k_a, k_b, v_s, lse_s = smem
+def _kernel(*refs, plgpu, grad, num_seqs, num_tiles, causal, scale, sm_scale, block_k,
+            num_stages, registers):
+  """The forward (``grad=False``) or the ``dq`` kernel (``grad=True``): the same tiles,
+  key ring and stores, different consumer math."""
+  if grad:
+    (info_ref, end_ref, q_ref, k_ref, v_ref, k_tail_ref, v_tail_ref, do_ref, vec_ref, o_ref,
+     o_side_ref, smem, barriers) = refs
+    lse_ref = lse_side_ref = None
+    q_a, q_b, k_a, k_b, v_s, vec_s, do_s = smem
+  else:
+    (info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, o_side_ref,
+     lse_side_ref, smem, barriers) = refs
+    k_tail_ref = do_ref = vec_ref = do_s = None
+    q_a, q_b, k_a, k_b, v_s, vec_s = smem
   q_bar, k_bar, v_bar, k_free, v_free, turn = barriers
   seq = lax.axis_index("s")
   head = lax.axis_index("h")
@@ -145,34 +160,48 @@ def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, 
   q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
   q_off, k_off = q_start - ALIGN * q8, k_start - ALIGN * k8
   d_v = q_a.shape[-1]
+  d_b = 0 if q_b is None else q_b.shape[-1]
   row = _mosaic.row_layout(plgpu)
+  wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
+  # (SMEM staging tile, its columns in the output); the forward's output has d_v columns.
+  parts = [(q_a, (0, d_v))] + ([(q_b, (d_v, d_b))] if grad and d_b else [])
 
-  def store(m, out, lse):
-    """This warpgroup's 64 rows, 64-row tile ``m`` from the aligned start (staged in
-    ``q_a``): into ``out`` when all are the sequence's, else into a side slot."""
-    q_a.at[wg][...] = out.astype(q_a.dtype)
-    lse_s.at[wg][...] = lse
+  def rows_of(m):
+    return pl.ds(ALIGN * (q8 + m * (ROWS // ALIGN)), ROWS)
+
+  def store(m, outs, lse):
+    """This warpgroup's 64 rows, 64-row tile ``m`` from the aligned start: into the
+    outputs when all are the sequence's, else into a side slot (a sequence's first or
+    last tile)."""
+    for (tile, _), out in zip(parts, outs, strict=True):
+      tile.at[wg][...] = out.astype(tile.dtype)
+    if lse is not None:
+      vec_s.at[wg][...] = lse
     plgpu.commit_smem()
     i0 = m * ROWS - q_off  # the tile's first row within the sequence
-    dst = pl.ds(ALIGN * (q8 + m * (ROWS // ALIGN)), ROWS)
+    dst = rows_of(m)
 
     @pl.when((i0 >= 0) & (i0 + ROWS <= len_q))
     def _():
-      plgpu.copy_smem_to_gmem(q_a.at[wg], o_ref.at[dst, head])
-      plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[head, dst])
+      for tile, cols in parts:
+        plgpu.copy_smem_to_gmem(tile.at[wg], o_ref.at[dst, head, pl.ds(*cols)])
+      if lse is not None:
+        plgpu.copy_smem_to_gmem(vec_s.at[wg], lse_ref.at[head, dst])
 
     @pl.when(((i0 < 0) | (i0 + ROWS > len_q)) & (i0 < len_q))
     def _():
       side = jnp.where(m == 0, 0, 1)
-      plgpu.copy_smem_to_gmem(q_a.at[wg], o_side_ref.at[seq, side, head])
-      plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_side_ref.at[seq, side, head])
+      for tile, cols in parts:
+        plgpu.copy_smem_to_gmem(tile.at[wg], o_side_ref.at[seq, side, head, :, pl.ds(*cols)])
+      if lse is not None:
+        plgpu.copy_smem_to_gmem(vec_s.at[wg], lse_side_ref.at[seq, side, head])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when((seq == num_seqs) & (wg < 2))  # tokens past cu_seqlens_q[-1]: out 0, lse +inf
   def _tail():
-    zeros = plgpu.layout_cast(jnp.zeros((ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA)
-    inf = plgpu.layout_cast(jnp.full((ROWS,), jnp.inf, jnp.float32), row)
+    zeros = [wgmma_layout(jnp.zeros((ROWS, cols[1]), jnp.float32)) for _, cols in parts]
+    inf = None if grad else plgpu.layout_cast(jnp.full((ROWS,), jnp.inf, jnp.float32), row)
 
     @pl.loop(0, cdiv(len_q + q_off, TILE * num_tiles))
     def _(j):
@@ -203,12 +232,17 @@ def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, 
     first_full = jnp.minimum((k_off > 0).astype(jnp.int32), steps)
     lim = jnp.clip(jnp.maximum(i0, 0) + shift + 1, 0, len_k) if causal else len_k
     full_end = jnp.clip(lax.div(lim + k_off, block_k), first_full, steps)
-    src = pl.ds(ALIGN * (q8 + m * (ROWS // ALIGN)), ROWS)
+    src = rows_of(m)
     plgpu.copy_gmem_to_smem(q_ref.at[src, head, pl.ds(0, d_v)], q_a.at[wg], q_bar.at[wg])
-    if q_b is not None:
-      plgpu.copy_gmem_to_smem(q_ref.at[src, head, pl.ds(d_v, q_b.shape[-1])], q_b.at[wg],
-                              q_bar.at[wg])
+    if d_b:
+      plgpu.copy_gmem_to_smem(q_ref.at[src, head, pl.ds(d_v, d_b)], q_b.at[wg], q_bar.at[wg])
+    if grad:  # dO rows, and the rows' base-2 LSE and b = d_lse - rowsum(dO * out)
+      plgpu.copy_gmem_to_smem(do_ref.at[src, head], do_s.at[wg], q_bar.at[wg])
+      for j in range(2):
+        plgpu.copy_gmem_to_smem(vec_ref.at[j, head, src], vec_s.at[wg, j], q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
+    if grad:
+      lse2, b = (plgpu.load(vec_s.at[wg, j], (), layout=row, optimized=False) for j in range(2))
 
     def take_turn():
       plgpu.barrier_arrive(turn)
@@ -217,25 +251,29 @@ def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, 
     rows_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 0, layout=plgpu.Layout.WGMMA)
     cols_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
 
-    def step(i, carry, masked):
+    def visible_keys(i):
+      keys = i * block_k - k_off + cols_iota
+      ok = (keys >= 0) & (keys < len_k)
+      return ok & (keys <= i0 + rows_iota + shift) if causal else ok
+
+    def scores(s_ref, slot):
+      plgpu.wgmma(s_ref, q_a.at[wg], k_a.at[slot].transpose((1, 0)))
+      if d_b:
+        plgpu.wgmma(s_ref, q_b.at[wg], k_b.at[slot].transpose((1, 0)))
+
+    def fwd_step(i, carry, masked):
       acc, m_run, l = carry
       slot = lax.rem(i, num_stages)
 
       def qk(s_ref):
-        plgpu.wgmma(s_ref, q_a.at[wg], k_a.at[slot].transpose((1, 0)))
-        if q_b is not None:
-          plgpu.wgmma(s_ref, q_b.at[wg], k_b.at[slot].transpose((1, 0)))
+        scores(s_ref, slot)
         take_turn()
         return s_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        keys = i * block_k - k_off + cols_iota
-        ok = (keys >= 0) & (keys < len_k)
-        if causal:
-          ok &= keys <= i0 + rows_iota + shift
-        s = jnp.where(ok, s, -jnp.inf)
+        s = jnp.where(visible_keys(i), s, -jnp.inf)
       m_new = jnp.maximum(m_run, s.max(axis=1) * scale)
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
       p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
@@ -258,6 +296,39 @@ def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, 
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
+    def dq_step(i, acc, masked):
+      # p = exp2(s - lse) from the forward's LSE; ds = p (dO V^T + b); dq += ds K.
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      def qk_dov(s_ref, dp_ref):
+        scores(s_ref, slot)
+        plgpu.wgmma(dp_ref, do_s.at[wg], v_s.at[slot].transpose((1, 0)))
+        take_turn()
+        return s_ref[...], dp_ref[...]
+
+      s, dp = pl.run_scoped(qk_dov, plgpu.ACC((ROWS, block_k), jnp.float32),
+                            plgpu.ACC((ROWS, block_k), jnp.float32))
+      plgpu.barrier_arrive(v_free.at[slot])
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(lse2, s.shape, [0]))
+      if masked:
+        p = jnp.where(visible_keys(i), p, 0.0)
+      ds = (p * (dp + lax.broadcast_in_dim(b, dp.shape, [0]))).astype(q_a.dtype)
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+      def dsk(acc_refs):
+        for ref, k_part in zip(acc_refs, (k_a, k_b), strict=False):
+          plgpu.wgmma(ref, ds, k_part.at[slot])
+
+        @pl.when(i + 1 < steps)
+        def _():
+          plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, num_stages)])
+
+      acc = pl.run_state(dsk)(tuple(plgpu.ACC.init(a) for a in acc))
+      plgpu.barrier_arrive(k_free.at[slot])
+      return acc
+
     def skip(i, _):  # a stage the partner needs and this warpgroup does not
       slot = lax.rem(i, num_stages)
       plgpu.barrier_arrive(k_free.at[slot])
@@ -265,66 +336,75 @@ def _kernel(info_ref, end_ref, q_ref, k_ref, v_ref, v_tail_ref, o_ref, lse_ref, 
       take_turn()
       take_turn()
 
-    carry = (plgpu.layout_cast(jnp.zeros((ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row),
-             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row))
+    if grad:
+      step = dq_step
+      carry = tuple(wgmma_layout(jnp.zeros((ROWS, n), jnp.float32)) for _, (_, n) in parts)
+    else:
+      step = fwd_step
+      carry = (wgmma_layout(jnp.zeros((ROWS, d_v), jnp.float32)),
+               plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row),
+               plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row))
     pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
     pl.when(wg == 1)(take_turn)  # warpgroup 0 takes the tensor cores first
     masked_step = functools.partial(step, masked=True)
     carry = lax.fori_loop(0, first_full, masked_step, carry)
     carry = lax.fori_loop(first_full, full_end, functools.partial(step, masked=False), carry)
-    acc, m_run, l = lax.fori_loop(full_end, steps, masked_step, carry)
+    carry = lax.fori_loop(full_end, steps, masked_step, carry)
     lax.fori_loop(steps, cta_steps, skip, None)
     pl.when(wg == 0)(take_turn)
 
-    empty, l_safe = _mosaic.empty_rows(l)
-    inv = jnp.where(empty, 0.0, 1.0 / l_safe)
-    lse = jnp.where(empty, jnp.inf, (m_run + jnp.log2(l_safe)) * LN2)
-    store(m, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), lse)
+    if grad:
+      store(m, [acc * sm_scale for acc in carry], None)
+    else:
+      acc, m_run, l = carry
+      empty, l_safe = _mosaic.empty_rows(l)
+      inv = jnp.where(empty, 0.0, 1.0 / l_safe)
+      lse = jnp.where(empty, jnp.inf, (m_run + jnp.log2(l_safe)) * LN2)
+      store(m, [acc * lax.broadcast_in_dim(inv, acc.shape, [0])], lse)
 
   @pl.when((seq < num_seqs) & (cta_rows < len_q) & (wg == 2))
   def _producer():
     plgpu.set_max_registers(registers[1], action="decrease")
     end, tail8 = end_ref[0], end_ref[1]  # cu_seqlens_k[-1]: rows from it may be unwritten
 
+    def load(src, tail, dst, bar, first8, past_end, cols=None):
+      idx = (slice(None),) if cols is None else (pl.ds(*cols),)
+      if tail is None:
+        plgpu.copy_gmem_to_smem(src.at[(pl.ds(ALIGN * first8, block_k), head) + idx], dst, bar)
+        return
+      pl.when(jnp.logical_not(past_end))(lambda: plgpu.copy_gmem_to_smem(
+          src.at[(pl.ds(ALIGN * first8, block_k), head) + idx], dst, bar))
+      pl.when(past_end)(lambda: plgpu.copy_gmem_to_smem(
+          tail.at[(pl.ds(ALIGN * (first8 - tail8), block_k), head) + idx], dst, bar))
+
     @pl.loop(0, cta_steps)
     def _(i):
       slot = lax.rem(i, num_stages)
       first8 = k8 + i * (block_k // ALIGN)
-      rows = pl.ds(ALIGN * first8, block_k)
-      pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, head, pl.ds(0, d_v)], k_a.at[slot], k_bar.at[slot])
-      if k_b is not None:
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, head, pl.ds(d_v, k_b.shape[-1])], k_b.at[slot],
-                                k_bar.at[slot])
-      pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
       past_end = ALIGN * first8 + block_k > end
-
-      @pl.when(jnp.logical_not(past_end))
-      def _():
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, head], v_s.at[slot], v_bar.at[slot])
-
-      @pl.when(past_end)
-      def _():
-        tail_rows = pl.ds(ALIGN * (first8 - tail8), block_k)
-        plgpu.copy_gmem_to_smem(v_tail_ref.at[tail_rows, head], v_s.at[slot], v_bar.at[slot])
+      # The forward masks foreign keys' scores; dq also multiplies by K: zero its tail.
+      pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+      load(k_ref, k_tail_ref, k_a.at[slot], k_bar.at[slot], first8, past_end, (0, d_v))
+      if d_b:
+        load(k_ref, k_tail_ref, k_b.at[slot], k_bar.at[slot], first8, past_end, (d_v, d_b))
+      pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+      load(v_ref, v_tail_ref, v_s.at[slot], v_bar.at[slot], first8, past_end)
 
 
-def _v_tail(v, end, block_k):
-  """``(v_tail, first8)``: ``v``'s rows from ``8 * first8 = floor8(max(end - block_k,
+def _tail_rows(x, end, block_k):
+  """``(tail, first8)``: ``x``'s rows from ``8 * first8 = floor8(max(end - block_k,
   0))`` on, ``2 * block_k + 8`` of them, zero from ``end`` on: every key block that
   crosses ``end`` (``cu_seqlens_k[-1]``) lies in it."""
   first8 = jnp.maximum(end - block_k, 0) // ALIGN
   idx = ALIGN * first8 + jnp.arange(2 * block_k + ALIGN, dtype=jnp.int32)
   ok = idx < end
-  tail = jnp.where(ok[:, None, None], v[jnp.clip(idx, 0, v.shape[0] - 1)], 0).astype(v.dtype)
+  tail = jnp.where(ok[:, None, None], x[jnp.clip(idx, 0, x.shape[0] - 1)], 0).astype(x.dtype)
   return tail, first8
 
 
-def _scatter_side(out, lse, o_side, lse_side, info):
-  """Writes the partial 64-row tiles (slot 0: a sequence's first, slot 1: its last) from
-  the side buffers into ``out`` and ``lse`` (head-major)."""
-  num_q_tokens = out.shape[0]
+def _side_rows(info, num_q_tokens):
+  """``[(S + 1) * 2 * 64]``: the token of each side-buffer row (a sequence's partial
+  first tile, then its partial last one), ``num_q_tokens`` (dropped) where none."""
   q_start, len_q = info[:, 0], info[:, 1]
   q_off = q_start % ALIGN
   last = jnp.maximum(len_q - 1 + q_off, 0) // ROWS  # the tile holding the last row
@@ -335,49 +415,34 @@ def _scatter_side(out, lse, o_side, lse_side, info):
   i = m[..., None] * ROWS - q_off[:, None, None] + r  # [S, 2, 64] row within the sequence
   used = jnp.stack([first_partial, last_partial], axis=1)[..., None]
   ok = used & (i >= 0) & (i < len_q[:, None, None])
-  idx = jnp.where(ok, q_start[:, None, None] + i, num_q_tokens).reshape(-1)
-  rows = jnp.moveaxis(o_side, 2, 3).reshape(-1, *out.shape[1:])  # [S, 2, 64, H, d_v]
-  out = out.at[idx].set(rows, mode="drop")
-  lse_rows = jnp.moveaxis(lse_side, 2, 0).reshape(lse.shape[0], -1)  # [H, S * 2 * 64]
-  lse = lse.at[:, idx].set(lse_rows, mode="drop")
-  return out, lse
+  return jnp.where(ok, q_start[:, None, None] + i, num_q_tokens).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "sm_scale", "causal", "config"))
-def mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
-                       config: Config):
-  """Kernel entry (inputs validated by :func:`jax_mla.dense_prefill.mla_prefill` and
-  :func:`check_supported`): ``(out[Tq, H, d_v], lse f32[Tq, H])``."""
-  plgpu = _mosaic.plgpu()
+def _launch(plgpu, inputs, *, grad, q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            sm_scale, causal, config: Config):
+  """Runs :func:`_kernel` on padded ``inputs``; returns its outputs, each partial tile
+  scattered from the side buffers, cut to ``q``'s tokens."""
   num_q_tokens, num_heads, d_qk = q.shape
   d_v = v.shape[-1]
+  d_b = d_qk - d_v
+  d_out = d_qk if grad else d_v
   num_seqs = cu_seqlens_q.shape[0] - 1
-  if num_q_tokens == 0 or k.shape[0] == 0:
-    return (jnp.zeros((num_q_tokens, num_heads, d_v), q.dtype),
-            jnp.full((num_q_tokens, num_heads), jnp.inf, jnp.float32))
   block_k, num_stages = config.block_k, config.num_stages
-  # TMA into tiled SMEM views the GMEM rows as tiles of 8: pad the token counts to that.
-  pad = lambda x: jnp.pad(x, ((0, -x.shape[0] % ALIGN), (0, 0), (0, 0)))  # noqa: E731
-  q, k, v = pad(q), pad(k), pad(v)
-  rows_q = q.shape[0]
   num_tiles = max(1, cdiv(max_seqlen_q + ALIGN - 1, TILE))  # + the leading q_off rows
   info = seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
-  v_tail, tail8 = _v_tail(v, cu_seqlens_k[-1], block_k)
-  end = jnp.stack([cu_seqlens_k[-1], tail8]).astype(jnp.int32)
-  d_b = d_qk - d_v
+  rows_q = inputs[0].shape[0]
 
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  smem = (
-      plgpu.SMEM((2, ROWS, d_v), q.dtype, transforms=swizzled),
-      plgpu.SMEM((2, ROWS, d_b), q.dtype, transforms=swizzled) if d_b else None,
-      plgpu.SMEM((num_stages, block_k, d_v), q.dtype, transforms=swizzled),
-      plgpu.SMEM((num_stages, block_k, d_b), q.dtype, transforms=swizzled) if d_b else None,
-      plgpu.SMEM((num_stages, block_k, d_v), q.dtype, transforms=swizzled),
-      plgpu.SMEM((2, ROWS), jnp.float32),
-  )
+  tiles = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=swizzled)  # noqa: E731
+  smem = (tiles(2, ROWS, d_v), tiles(2, ROWS, d_b) if d_b else None,
+          tiles(num_stages, block_k, d_v), tiles(num_stages, block_k, d_b) if d_b else None,
+          tiles(num_stages, block_k, d_v),
+          plgpu.SMEM((2, 2, ROWS) if grad else (2, ROWS), jnp.float32))
+  if grad:
+    smem += (tiles(2, ROWS, d_v),)
   copies = 2 if d_b else 1
   barriers = (
-      plgpu.Barrier(num_arrivals=copies, num_barriers=2),  # a consumer's queries loaded
+      plgpu.Barrier(num_arrivals=copies + 3 * grad, num_barriers=2),  # a consumer's rows
       plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),  # K stage loaded
       plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # V stage loaded
       plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # K stage free: both consumers
@@ -385,23 +450,68 @@ def mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_
       plgpu.Barrier(num_arrivals=2),  # the consumers' turns on the tensor cores
   )
   kernel = functools.partial(
-      _kernel, plgpu=plgpu, num_seqs=num_seqs, num_tiles=num_tiles, causal=causal,
-      scale=float(sm_scale) * LOG2E, block_k=block_k, num_stages=num_stages,
-      registers=(config.consumer_registers, config.producer_registers))
+      _kernel, plgpu=plgpu, grad=grad, num_seqs=num_seqs, num_tiles=num_tiles, causal=causal,
+      scale=float(sm_scale) * LOG2E, sm_scale=float(sm_scale), block_k=block_k,
+      num_stages=num_stages, registers=(config.consumer_registers, config.producer_registers))
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
                   barriers, collective_axes="wg")
 
-  lse_cols = cdiv(num_q_tokens, ROWS) * ROWS  # TMA wants 16-byte row strides
-  out_type = (jax.ShapeDtypeStruct((rows_q, num_heads, d_v), q.dtype),
-              jax.ShapeDtypeStruct((num_heads, lse_cols), jnp.float32),
-              jax.ShapeDtypeStruct((num_seqs + 1, 2, num_heads, ROWS, d_v), q.dtype),
-              jax.ShapeDtypeStruct((num_seqs + 1, 2, num_heads, ROWS), jnp.float32))
-  out, lse, o_side, lse_side = plgpu.kernel(
-      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
+  side = (num_seqs + 1, 2, num_heads, ROWS)
+  out_type = [jax.ShapeDtypeStruct((rows_q, num_heads, d_out), q.dtype)]
+  if not grad:
+    out_type.append(jax.ShapeDtypeStruct((num_heads, rows_q), jnp.float32))
+  out_type.append(jax.ShapeDtypeStruct(side + (d_out,), q.dtype))
+  if not grad:
+    out_type.append(jax.ShapeDtypeStruct(side, jnp.float32))
+  v_tail, tail8 = _tail_rows(v, cu_seqlens_k[-1], block_k)
+  end = jnp.stack([cu_seqlens_k[-1], tail8]).astype(jnp.int32)
+  tails = (_tail_rows(inputs[1], cu_seqlens_k[-1], block_k)[0], v_tail) if grad else (v_tail,)
+  outs = plgpu.kernel(
+      entry, **{_mosaic.out_type_kwarg(plgpu): tuple(out_type)},
       grid=(num_seqs + 1, num_heads, num_tiles), grid_names=("s", "h", "t"), num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(info, end, q, k, v, v_tail)
-  out, lse = _scatter_side(out[:num_q_tokens], lse, o_side, lse_side, info)
+  )(info, end, *inputs[:3], *tails, *inputs[3:])
+  idx = _side_rows(info, num_q_tokens)
+  out = outs[0][:num_q_tokens].at[idx].set(
+      jnp.moveaxis(outs[-1 if grad else 2], 2, 3).reshape(-1, num_heads, d_out), mode="drop")
+  if grad:
+    return out
+  lse = outs[1].at[:, idx].set(jnp.moveaxis(outs[3], 2, 0).reshape(num_heads, -1), mode="drop")
   return out, lse[:, :num_q_tokens].T
+
+
+def _pad_tokens(*xs):
+  """TMA into tiled SMEM views the GMEM rows as tiles of 8: pads token counts to that."""
+  return tuple(jnp.pad(x, ((0, -x.shape[0] % ALIGN),) + ((0, 0),) * (x.ndim - 1)) for x in xs)
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "sm_scale", "causal", "config"))
+def mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
+                       config: Config):
+  """Kernel entry (inputs validated by :func:`jax_mla.dense_prefill.mla_prefill` and
+  :func:`check_supported`): ``(out[Tq, H, d_v], lse f32[Tq, H])``."""
+  num_q_tokens, num_heads, _ = q.shape
+  if num_q_tokens == 0 or k.shape[0] == 0:
+    return (jnp.zeros((num_q_tokens, num_heads, v.shape[-1]), q.dtype),
+            jnp.full((num_q_tokens, num_heads), jnp.inf, jnp.float32))
+  return _launch(_mosaic.plgpu(), _pad_tokens(q, k, v), grad=False, q=q, v=v,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "sm_scale", "causal", "config"))
+def mla_prefill_dq_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *, max_seqlen_q,
+                          sm_scale, causal, config: Config):
+  """``dq [Tq, H, d_qk]`` of ``mla_prefill`` from the forward's token-major natural-log
+  ``lse`` and ``b = d_lse - rowsum(dO * out)`` (float32 ``[Tq, H]``)."""
+  num_q_tokens = q.shape[0]
+  if num_q_tokens == 0 or k.shape[0] == 0:
+    return jnp.zeros_like(q)
+  # Rows of the base-2 LSE and of b, head-major: [2, H, Tq], the token axis padded as q.
+  vec = jnp.stack([lse * LOG2E, b]).swapaxes(1, 2)
+  vec = jnp.pad(vec, ((0, 0), (0, 0), (0, -num_q_tokens % ALIGN)))
+  return _launch(_mosaic.plgpu(), _pad_tokens(q, k, v, d_out.astype(q.dtype)) + (vec,),
+                 grad=True, q=q, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal, config=config)

@@ -179,11 +179,19 @@ def _dq_kernel(info_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, b_ref, dq0_ref, d
       _store_rows(dq_ref, q_start + row0, rows_ok, dq_rest * sm_scale, (d_main, d_rest))
 
 
+def row_term(out, lse, d_out, d_lse):
+  """``b = d_lse - rowsum(dO * out)`` float32 ``[Tq, H]``, 0 where ``lse`` is ``+inf`` (no
+  key: ``p = 0``, b unused)."""
+  b = d_lse - jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  return jnp.where(jnp.isfinite(lse), b, 0.0)
+
+
 def mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse, *,
                     max_seqlen_q: int, max_seqlen_k: int, sm_scale: float, causal: bool,
-                    config: Config, interpret: bool = False):
+                    config: Config, interpret: bool = False, with_dq: bool = True):
   """``(dq, dk, dv)`` of ``mla_prefill`` in the dtypes of ``q, k, v`` (``lse``, ``d_lse``
-  token-major float32 ``[Tq, H]``)."""
+  token-major float32 ``[Tq, H]``); ``dq`` is None without ``with_dq`` (another kernel
+  computes it)."""
   num_q_tokens, num_heads, d_qk = q.shape
   num_k_tokens, d_v = k.shape[0], v.shape[-1]
   zeros = lambda x: jnp.zeros_like(x)  # noqa: E731
@@ -192,9 +200,7 @@ def mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse,
   d_main, d_rest = split_head_dim(d_qk)
   num_seqs = cu_seqlens_q.shape[0] - 1
   info = seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)[:num_seqs]
-  # b = c - rowsum(dO * out); +inf lse rows (no key) have p = 0, b is then unused.
-  b = d_lse - jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  b = jnp.where(jnp.isfinite(lse), b, 0.0)
+  b = row_term(out, lse, d_out, d_lse)
   cap_q, cap_k = next_pow2(max_seqlen_q), next_pow2(max_seqlen_k)
   params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
   common = dict(sm_scale=float(sm_scale), causal=causal, d_main=d_main, d_rest=d_rest)
@@ -219,6 +225,8 @@ def mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       input_output_aliases={7: 0, 8: 1}, compiler_params=params, interpret=interpret,
       name="mla_prefill_bwd_dkv")(*operands, zeros(k), zeros(v))
+  if not with_dq:
+    return None, dk, dv
 
   block_q = max(MIN_TILE, min(config.dq_block_q, cap_q))
   block_k = max(MIN_TILE, min(config.dq_block_k, cap_k))
