@@ -179,10 +179,11 @@ def test_mosaic_is_refused_where_it_cannot_run():
   bt, sl = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
   with pytest.raises(ValueError, match="no interpreter"):
     mla_decode_paged(q, cache, bt, sl, implementation="mosaic", interpret=True)
-  with pytest.raises(ValueError, match="no Mosaic GPU kernel"):
-    x, cu = jnp.zeros((4, 2, 192), jnp.bfloat16), jnp.asarray([0, 4], jnp.int32)
-    jax_mla.mla_prefill(x, x, x[..., :128], cu, cu, max_seqlen_q=4, max_seqlen_k=4,
-                        sm_scale=None, implementation="mosaic")
+  with pytest.raises(ValueError, match="no Mosaic GPU kernel"):  # AITER's mla_decode has none
+    one = jnp.asarray([0, 1], jnp.int32)
+    jax_mla.mla_decode(q[0, 0, :16][None], cache.reshape(-1, 1, D), one, one,
+                       jnp.asarray([0], jnp.int32), jnp.asarray([1], jnp.int32), max_seqlen_q=1,
+                       implementation="mosaic")
   if jax.default_backend() == "cpu":
     with pytest.raises(ValueError, match="needs a GPU"):
       mla_decode_paged(q, cache, bt, sl, implementation="mosaic")
