@@ -1,4 +1,5 @@
-"""Pallas Mosaic GPU kernel (Hopper wgmma + TMA) for ``mla_prefill``.
+"""Pallas Mosaic GPU kernels (Hopper wgmma + TMA) for ``mla_prefill``: the forward and
+the backward's ``dq``.
 
 FlashAttention-3's forward on the packed varlen layout. One CTA takes 128 query rows
 of one sequence and one head and three warpgroups: a producer streams the sequence's
@@ -26,6 +27,12 @@ the previous sequence; 64-row tiles also run past a sequence's end. Hence:
   wrapper scatters; the LSE likewise, head-major so its tiles are contiguous;
 - an extra grid slot writes ``out = 0``, ``lse = +inf`` for the tokens past
   ``cu_seqlens_q[-1]``, strided over the tile axis.
+
+The ``dq`` kernel (``grad``) is the same machine with other consumer math: per key block
+``S = Q K^T`` and ``dP = dO V^T``, ``P = exp2(S - lse)`` from the forward's LSE, ``dS = P
+(dP + b)`` and ``dq += dS K`` (two accumulators, the ``d_v`` and the rest columns); the
+keys past ``cu_seqlens_k[-1]`` come from a zero-padded copy as well, since ``K`` is now a
+factor. The backward's ``dk, dv`` stay on the Triton kernel.
 
 The grid is ``(sequence + 1, head, tile)`` with the tile fastest (the last grid axis
 is ``blockIdx.x``), so the CTAs of one head run together and read its keys from L2;
