@@ -68,7 +68,8 @@ def check(base: Case = CHECK) -> float:
 def _grad_sets(case: Case, impl: str):
   g = jax.random.normal(jax.random.key(7), (sum(case.len_q), case.heads, D_V), jnp.bfloat16)
   vjp = jax.jit(functools.partial(_vjp, case, impl))
-  return [(vjp(*s)[1], g) for s in _case_sets(case)]
+  # Two sets: the residuals of four (and the backward's temporaries) exceed an H100's 80 GB.
+  return [(vjp(*s)[1], g) for s in _case_sets(case)[:2]]
 
 
 def run(cases=CASES, *, check_case: Case = CHECK, anchor: bool = True) -> list[Row]:

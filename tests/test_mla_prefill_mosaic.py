@@ -119,7 +119,8 @@ def test_default_on_hopper_and_gradients():
     (192, (200, 65, 9), (130, 700, 1), 0, 100),
     (128, (190, 5, 64), (190, 300, 64), 3, 0),
 ])
-def test_dq_kernel_matches_the_triton_backward(causal, d_qk, lens_q, lens_k, tail_q, tail_k):
+def test_backward_kernels_match_the_triton_backward(causal, d_qk, lens_q, lens_k, tail_q,
+                                                   tail_k):
   # NaN in q, k, v rows past the sequences; dO there random (its rows' dq is never read).
   q, k, v, cu_q, cu_k = _case(3, lens_q, lens_k, d_qk=d_qk, tail_q=tail_q, tail_k=tail_k)
   kw = dict(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), sm_scale=0.08, causal=causal)
@@ -129,16 +130,19 @@ def test_dq_kernel_matches_the_triton_backward(causal, d_qk, lens_q, lens_k, tai
   d_out = jnp.asarray(rng.standard_normal(out.shape), jnp.bfloat16)
   d_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
   b = triton_backward.row_term(out, lse, d_out, d_lse)
-  got = mosaic.mla_prefill_dq_mosaic(q, k, v, cu_q, cu_k, d_out, lse, b, max_seqlen_q=kw[
-      "max_seqlen_q"], sm_scale=0.08, causal=causal, config=mosaic.default_config(
-          d_qk, 128, grad=True))
-  want, _, _ = triton_backward.mla_prefill_bwd(q, k, v, cu_q, cu_k, out, lse, d_out, d_lse,
-                                               config=triton_backward.Config(), **kw)
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  assert np.isfinite(got).all()
-  assert rel_err(got, want) < 1e-2
-  end = int(cu_q[-1])
-  assert (got[end:] == 0).all()
+  config = mosaic.default_config(d_qk, 128, grad=True)
+  args = (q, k, v, cu_q, cu_k, d_out, lse, b)
+  common = dict(sm_scale=0.08, causal=causal, config=config)
+  got = (mosaic.mla_prefill_dq_mosaic(*args, max_seqlen_q=kw["max_seqlen_q"], **common),
+         *mosaic.mla_prefill_dkv_mosaic(*args, max_seqlen_k=kw["max_seqlen_k"], **common))
+  want = triton_backward.mla_prefill_bwd(q, k, v, cu_q, cu_k, out, lse, d_out, d_lse,
+                                         config=triton_backward.Config(), **kw)
+  for name, a, w, end in zip(("dq", "dk", "dv"), got, want,
+                             (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1])), strict=True):
+    a, w = np.asarray(a, np.float32), np.asarray(w, np.float32)
+    assert np.isfinite(a).all(), name
+    assert rel_err(a, w) < 1e-2, (name, rel_err(a, w))
+    assert (a[end:] == 0).all(), name  # rows past the sequences
 
 
 def test_check_supported_and_config():

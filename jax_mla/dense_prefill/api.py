@@ -188,18 +188,20 @@ def _prefill_bwd(statics, residuals, cotangents):
     grads = backward.mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out,
                                      d_lse, **kw)
     return *grads, None, None
-  # After the Mosaic GPU forward, dq runs on the Mosaic GPU dq kernel.
-  on_mosaic = isinstance(config, mosaic.Config)
-  dq, dk, dv = triton_backward.mla_prefill_bwd(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse,
-      config=triton_backward.Config(), interpret=interpret, with_dq=not on_mosaic, **kw)
-  if on_mosaic:
-    dq = mosaic.mla_prefill_dq_mosaic(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse,
-        triton_backward.row_term(out, lse, d_out, d_lse), max_seqlen_q=max_seqlen_q,
-        sm_scale=sm_scale, causal=causal,
-        config=mosaic.default_config(q.shape[-1], v.shape[-1], grad=True))
-  return dq, dk, dv, None, None
+  if isinstance(config, mosaic.Config):  # after the Mosaic GPU forward, its backward
+    b = triton_backward.row_term(out, lse, d_out, d_lse)
+    grad_config = mosaic.default_config(q.shape[-1], v.shape[-1], grad=True)
+    dq = mosaic.mla_prefill_dq_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b,
+                                      max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
+                                      causal=causal, config=grad_config)
+    dk, dv = mosaic.mla_prefill_dkv_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b,
+                                           max_seqlen_k=max_seqlen_k, sm_scale=sm_scale,
+                                           causal=causal, config=grad_config)
+    return dq, dk, dv, None, None
+  grads = triton_backward.mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out,
+                                          d_lse, config=triton_backward.Config(),
+                                          interpret=interpret, **kw)
+  return *grads, None, None
 
 
 _differentiable_prefill.defvjp(_prefill_fwd, _prefill_bwd)

@@ -409,20 +409,25 @@ def _tail_rows(x, end, block_k):
   return tail, first8
 
 
-def _side_rows(info, num_q_tokens):
+def _side_rows(starts, lens, num_tokens):
   """``[(S + 1) * 2 * 64]``: the token of each side-buffer row (a sequence's partial
-  first tile, then its partial last one), ``num_q_tokens`` (dropped) where none."""
-  q_start, len_q = info[:, 0], info[:, 1]
-  q_off = q_start % ALIGN
-  last = jnp.maximum(len_q - 1 + q_off, 0) // ROWS  # the tile holding the last row
-  first_partial = (q_off > 0) | (len_q < ROWS)
-  last_partial = (last > 0) & ((last + 1) * ROWS - q_off > len_q)
+  first tile, then its partial last one), ``num_tokens`` (dropped) where none."""
+  off = starts % ALIGN
+  last = jnp.maximum(lens - 1 + off, 0) // ROWS  # the tile holding the last row
+  first_partial = (off > 0) | (lens < ROWS)
+  last_partial = (last > 0) & ((last + 1) * ROWS - off > lens)
   r = jnp.arange(ROWS, dtype=jnp.int32)
   m = jnp.stack([jnp.zeros_like(last), last], axis=1)  # [S, 2] tile of each slot
-  i = m[..., None] * ROWS - q_off[:, None, None] + r  # [S, 2, 64] row within the sequence
+  i = m[..., None] * ROWS - off[:, None, None] + r  # [S, 2, 64] row within the sequence
   used = jnp.stack([first_partial, last_partial], axis=1)[..., None]
-  ok = used & (i >= 0) & (i < len_q[:, None, None])
-  return jnp.where(ok, q_start[:, None, None] + i, num_q_tokens).reshape(-1)
+  ok = used & (i >= 0) & (i < lens[:, None, None])
+  return jnp.where(ok, starts[:, None, None] + i, num_tokens).reshape(-1)
+
+
+def _scatter(out, side, idx):
+  """``out[:T]`` with the side buffer's ``[S + 1, 2, H, 64, d]`` rows written at ``idx``."""
+  rows = jnp.moveaxis(side, 2, 3).reshape(-1, *out.shape[1:])
+  return out.at[idx].set(rows, mode="drop")
 
 
 def _launch(plgpu, inputs, *, grad, q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -480,9 +485,8 @@ def _launch(plgpu, inputs, *, grad, q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
       grid=(num_seqs + 1, num_heads, num_tiles), grid_names=("s", "h", "t"), num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
   )(info, end, *inputs[:3], *tails, *inputs[3:])
-  idx = _side_rows(info, num_q_tokens)
-  out = outs[0][:num_q_tokens].at[idx].set(
-      jnp.moveaxis(outs[-1 if grad else 2], 2, 3).reshape(-1, num_heads, d_out), mode="drop")
+  idx = _side_rows(info[:, 0], info[:, 1], num_q_tokens)
+  out = _scatter(outs[0][:num_q_tokens], outs[-1 if grad else 2], idx)
   if grad:
     return out
   lse = outs[1].at[:, idx].set(jnp.moveaxis(outs[3], 2, 0).reshape(num_heads, -1), mode="drop")
@@ -522,3 +526,259 @@ def mla_prefill_dq_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *,
   return _launch(_mosaic.plgpu(), _pad_tokens(q, k, v, d_out.astype(q.dtype)) + (vec,),
                  grad=True, q=q, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal, config=config)
+
+
+def _dkv_kernel(info_ref, end_ref, q_ref, do_ref, q_tail_ref, do_tail_ref, vec_ref, k_ref,
+                v_ref, dk_ref, dv_ref, dk_side_ref, dv_side_ref, smem, barriers, *, plgpu,
+                num_seqs, num_tiles, causal, scale, sm_scale, num_stages, registers):
+  """``dk, dv`` for 64 keys of one sequence and head. Warpgroup 0 takes ``S^T = K Q^T``,
+  ``P^T`` (handed over through SMEM) and ``dV += P^T dO``; warpgroup 1 ``dP^T = V dO^T``,
+  ``dS^T = P^T (dP^T + b)`` and ``dK += dS^T Q``: equal tensor-core work, no atomics. The
+  producer streams the query blocks (Q, dO and the rows' LSE and b) that see the keys."""
+  k_a, k_b, v_s, q_a, q_b, do_s, vec_s, p_s = smem
+  kv_bar, q_bar, p_ready, free, done = barriers
+  seq = lax.axis_index("s")
+  head = lax.axis_index("h")
+  wg = lax.axis_index("wg")
+  q_start, len_q = info_ref[seq, 0], info_ref[seq, 1]
+  k_start, len_k = info_ref[seq, 2], info_ref[seq, 3]
+  q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
+  q_off, k_off = q_start - ALIGN * q8, k_start - ALIGN * k8
+  d_v = v_s.shape[-1]
+  d_b = 0 if q_b is None else q_b.shape[-1]
+  wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
+  col = _mosaic.col_layout(plgpu)
+  # (owner warpgroup, SMEM staging tile, output, side output, columns)
+  parts = [(1, k_a, dk_ref, dk_side_ref, (0, d_v))]
+  if d_b:
+    parts.append((1, k_b, dk_ref, dk_side_ref, (d_v, d_b)))
+  parts.append((0, v_s, dv_ref, dv_side_ref, (0, d_v)))
+
+  def key_rows(t):
+    return pl.ds(ALIGN * (k8 + t * (ROWS // ALIGN)), ROWS)
+
+  def store(t, owner, values):
+    """Warpgroup ``owner``'s parts of key tile ``t``: straight out when all 64 rows are
+    the sequence's, else into a side slot."""
+    mine = [part[1:] for part in parts if part[0] == owner]
+    for (tile, _, _, _), value in zip(mine, values, strict=True):
+      tile[...] = value.astype(tile.dtype)
+    plgpu.commit_smem()
+    j0 = t * ROWS - k_off
+
+    @pl.when((j0 >= 0) & (j0 + ROWS <= len_k))
+    def _():
+      for tile, out, _, cols in mine:
+        plgpu.copy_smem_to_gmem(tile, out.at[key_rows(t), head, pl.ds(*cols)])
+
+    @pl.when(((j0 < 0) | (j0 + ROWS > len_k)) & (j0 < len_k))
+    def _():
+      slot = jnp.where(t == 0, 0, 1)
+      for tile, _, side, cols in mine:
+        plgpu.copy_smem_to_gmem(tile, side.at[seq, slot, head, :, pl.ds(*cols)])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def zeros_of(owner):
+    return [wgmma_layout(jnp.zeros((ROWS, cols[1]), jnp.float32))
+            for o, _, _, _, cols in parts if o == owner]
+
+  @pl.when((seq == num_seqs) & (wg < 2))  # keys past cu_seqlens_k[-1]: zero gradients
+  def _tail():
+    @pl.loop(0, cdiv(len_k + k_off, ROWS * num_tiles))
+    def _(j):
+      t = j * num_tiles + lax.axis_index("t")
+      for owner in range(2):
+        pl.when((wg == owner) & (t * ROWS - k_off < len_k))(
+            lambda owner=owner, t=t: store(t, owner, zeros_of(owner)))
+
+  t = lax.axis_index("t")
+  j0 = t * ROWS - k_off  # the tile's first key within the sequence
+  shift = len_k - len_q  # bottom-right causal: row i sees keys j <= i + shift
+  j_first, j_last = jnp.maximum(j0, 0), jnp.minimum(j0 + ROWS, len_k) - 1  # its real keys
+  n_blocks = cdiv(len_q + q_off, ROWS)  # query blocks with rows of the sequence
+  if causal:  # blocks before `first` see none of the keys; from `full` on, all of them
+    first = lax.div(jnp.clip(j_first - shift, 0, len_q) + q_off, ROWS)
+    full = cdiv(jnp.clip(j_last - shift, 0, len_q) + q_off, ROWS)
+  else:
+    first, full = jnp.int32(0), cdiv(q_off, ROWS)
+  first = jnp.minimum(first, n_blocks)
+  full = jnp.clip(full, first, n_blocks)
+  inner_end = jnp.clip(lax.div(len_q + q_off, ROWS), full, n_blocks)  # no rows past the end
+  active = (seq < num_seqs) & (j0 < len_k)
+
+  @pl.when(active & (wg < 2))
+  def _consumer():
+    plgpu.set_max_registers(registers[0], action="increase")
+    rows_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0, layout=plgpu.Layout.WGMMA)
+    cols_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1, layout=plgpu.Layout.WGMMA)
+
+    def visible(qb):  # [keys, queries] of this tile and query block
+      i = qb * ROWS - q_off + cols_iota
+      ok = (i >= 0) & (i < len_q)
+      return ok & (j0 + rows_iota <= i + shift) if causal else ok
+
+    def vec(slot, j):
+      return plgpu.load(vec_s.at[slot, j], (), layout=col, optimized=False)
+
+    plgpu.barrier_wait(kv_bar)
+
+    @pl.when(wg == 0)
+    def _dv():
+      def step(qb, dv, masked):
+        slot = lax.rem(qb - first, num_stages)
+        plgpu.barrier_wait(q_bar.at[slot])
+
+        def st(s_ref):
+          plgpu.wgmma(s_ref, k_a, q_a.at[slot].transpose((1, 0)))
+          if d_b:
+            plgpu.wgmma(s_ref, k_b, q_b.at[slot].transpose((1, 0)))
+          return s_ref[...]
+
+        s_t = pl.run_scoped(st, plgpu.ACC((ROWS, ROWS), jnp.float32))
+        p_t = jnp.exp2(s_t * scale - lax.broadcast_in_dim(vec(slot, 0), s_t.shape, [1]))
+        if masked:
+          p_t = jnp.where(visible(qb), p_t, 0.0)
+        p_t = p_t.astype(q_a.dtype)
+        p_s.at[slot][...] = p_t
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready.at[slot])
+        dv = pl.run_state(lambda ref: plgpu.wgmma(ref, p_t, do_s.at[slot]))(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(free.at[slot])
+        return dv
+
+      dv = _blocks(step, zeros_of(0)[0], first, full, inner_end, n_blocks)
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      store(t, 0, [dv])
+
+    @pl.when(wg == 1)
+    def _dk():
+      def step(qb, dk, masked):
+        del masked  # P^T comes masked
+        slot = lax.rem(qb - first, num_stages)
+        plgpu.barrier_wait(q_bar.at[slot])
+        def vdo(ref):
+          plgpu.wgmma(ref, v_s, do_s.at[slot].transpose((1, 0)))
+          return ref[...]
+
+        dp_t = pl.run_scoped(vdo, plgpu.ACC((ROWS, ROWS), jnp.float32))
+        b = lax.broadcast_in_dim(vec(slot, 1), dp_t.shape, [1])
+        plgpu.barrier_wait(p_ready.at[slot])
+        ds_t = (p_s.at[slot][...].astype(jnp.float32) * (dp_t + b)).astype(q_a.dtype)
+
+        def dsq(refs):
+          for ref, q_part in zip(refs, (q_a, q_b), strict=False):
+            plgpu.wgmma(ref, ds_t, q_part.at[slot])
+
+        dk = pl.run_state(dsq)(tuple(plgpu.ACC.init(x) for x in dk))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk
+
+      dk = _blocks(step, tuple(zeros_of(1)), first, full, inner_end, n_blocks)
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      store(t, 1, [x * sm_scale for x in dk])
+
+  @pl.when(active & (wg == 2))
+  def _producer():
+    plgpu.set_max_registers(registers[1], action="decrease")
+    rows = key_rows(t)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, head, pl.ds(0, d_v)], k_a, kv_bar)
+    if d_b:
+      plgpu.copy_gmem_to_smem(k_ref.at[rows, head, pl.ds(d_v, d_b)], k_b, kv_bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, head], v_s, kv_bar)
+    end, tail8 = end_ref[0], end_ref[1]  # cu_seqlens_q[-1]: rows from it may be unwritten
+
+    @pl.loop(first, n_blocks)
+    def _(qb):
+      slot = lax.rem(qb - first, num_stages)
+      pl.when(qb - first >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+      first8 = q8 + qb * (ROWS // ALIGN)
+      past_end = ALIGN * first8 + ROWS > end
+
+      def load(src, tail, dst, cols=None):
+        idx = (slice(None),) if cols is None else (pl.ds(*cols),)
+        pl.when(jnp.logical_not(past_end))(lambda: plgpu.copy_gmem_to_smem(
+            src.at[(pl.ds(ALIGN * first8, ROWS), head) + idx], dst, q_bar.at[slot]))
+        pl.when(past_end)(lambda: plgpu.copy_gmem_to_smem(
+            tail.at[(pl.ds(ALIGN * (first8 - tail8), ROWS), head) + idx], dst, q_bar.at[slot]))
+
+      load(q_ref, q_tail_ref, q_a.at[slot], (0, d_v))
+      if d_b:
+        load(q_ref, q_tail_ref, q_b.at[slot], (d_v, d_b))
+      load(do_ref, do_tail_ref, do_s.at[slot])
+      for j in range(2):  # rows past the end read zeros from the padding; they are masked
+        plgpu.copy_gmem_to_smem(vec_ref.at[j, head, pl.ds(ALIGN * first8, ROWS)],
+                                vec_s.at[slot, j], q_bar.at[slot])
+
+
+def _blocks(step, carry, first, full, inner_end, n_blocks):
+  """``step`` over the query blocks ``[first, n_blocks)``, masked where some pair is not
+  visible: before ``full`` (the causal diagonal, foreign leading rows) and from
+  ``inner_end`` (rows past the sequence's end)."""
+  carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full, inner_end, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(inner_end, n_blocks, functools.partial(step, masked=True), carry)
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_k", "sm_scale", "causal", "config"))
+def mla_prefill_dkv_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *,
+                           max_seqlen_k, sm_scale, causal, config: Config):
+  """``(dk [Tk, H, d_qk], dv [Tk, H, d_v])`` of ``mla_prefill`` from the forward's
+  token-major natural-log ``lse`` and ``b = d_lse - rowsum(dO * out)`` (``[Tq, H]``)."""
+  plgpu = _mosaic.plgpu()
+  num_q_tokens, num_heads, d_qk = q.shape
+  num_k_tokens, d_v = k.shape[0], v.shape[-1]
+  d_b = d_qk - d_v
+  if num_q_tokens == 0 or num_k_tokens == 0:
+    return jnp.zeros_like(k), jnp.zeros_like(v)
+  num_seqs = cu_seqlens_q.shape[0] - 1
+  num_stages = config.num_stages
+  num_tiles = max(1, cdiv(max_seqlen_k + ALIGN - 1, ROWS))
+  info = seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
+  # The last row: the keys past cu_seqlens_k[-1], no queries (zero gradients).
+  end_k = cu_seqlens_k[-1]
+  info = info.at[num_seqs].set(jnp.stack([jnp.int32(0), jnp.int32(0), end_k,
+                                          num_k_tokens - end_k]))
+  vec = jnp.stack([lse * LOG2E, b]).swapaxes(1, 2)  # [2, H, Tq]: base-2 LSE and b
+  vec = jnp.pad(vec, ((0, 0), (0, 0), (0, -num_q_tokens % ALIGN)))
+  q_p, do_p, k_p, v_p = _pad_tokens(q, d_out.astype(q.dtype), k, v)
+  q_tail, tail8 = _tail_rows(q_p, cu_seqlens_q[-1], ROWS)
+  do_tail, _ = _tail_rows(do_p, cu_seqlens_q[-1], ROWS)
+  end = jnp.stack([cu_seqlens_q[-1], tail8]).astype(jnp.int32)
+
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  tiles = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=swizzled)  # noqa: E731
+  smem = (tiles(ROWS, d_v), tiles(ROWS, d_b) if d_b else None, tiles(ROWS, d_v),
+          tiles(num_stages, ROWS, d_v), tiles(num_stages, ROWS, d_b) if d_b else None,
+          tiles(num_stages, ROWS, d_v), plgpu.SMEM((num_stages, 2, ROWS), jnp.float32),
+          tiles(num_stages, ROWS, ROWS))
+  copies = 2 if d_b else 1
+  barriers = (
+      plgpu.Barrier(num_arrivals=copies + 1),  # the keys and values loaded
+      plgpu.Barrier(num_arrivals=copies + 3, num_barriers=num_stages),  # a query block
+      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # its P^T handed over
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # its stage free
+      plgpu.Barrier(num_arrivals=2),  # both warpgroups done with K and V
+  )
+  kernel = functools.partial(
+      _dkv_kernel, plgpu=plgpu, num_seqs=num_seqs, num_tiles=num_tiles, causal=causal,
+      scale=float(sm_scale) * LOG2E, sm_scale=float(sm_scale), num_stages=num_stages,
+      registers=(config.consumer_registers, config.producer_registers))
+
+  def entry(*refs):
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                  barriers, collective_axes="wg")
+
+  side = (num_seqs + 1, 2, num_heads, ROWS)
+  out_type = (jax.ShapeDtypeStruct(k_p.shape, k.dtype), jax.ShapeDtypeStruct(v_p.shape, v.dtype),
+              jax.ShapeDtypeStruct(side + (d_qk,), k.dtype),
+              jax.ShapeDtypeStruct(side + (d_v,), v.dtype))
+  dk, dv, dk_side, dv_side = plgpu.kernel(
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
+      grid=(num_seqs + 1, num_heads, num_tiles), grid_names=("s", "h", "t"), num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(info, end, q_p, do_p, q_tail, do_tail, vec, k_p, v_p)
+  idx = _side_rows(info[:, 2], info[:, 3], num_k_tokens)
+  return (_scatter(dk[:num_k_tokens], dk_side, idx), _scatter(dv[:num_k_tokens], dv_side, idx))

@@ -188,10 +188,9 @@ def row_term(out, lse, d_out, d_lse):
 
 def mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse, *,
                     max_seqlen_q: int, max_seqlen_k: int, sm_scale: float, causal: bool,
-                    config: Config, interpret: bool = False, with_dq: bool = True):
+                    config: Config, interpret: bool = False):
   """``(dq, dk, dv)`` of ``mla_prefill`` in the dtypes of ``q, k, v`` (``lse``, ``d_lse``
-  token-major float32 ``[Tq, H]``); ``dq`` is None without ``with_dq`` (another kernel
-  computes it)."""
+  token-major float32 ``[Tq, H]``)."""
   num_q_tokens, num_heads, d_qk = q.shape
   num_k_tokens, d_v = k.shape[0], v.shape[-1]
   zeros = lambda x: jnp.zeros_like(x)  # noqa: E731
@@ -225,8 +224,6 @@ def mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       input_output_aliases={7: 0, 8: 1}, compiler_params=params, interpret=interpret,
       name="mla_prefill_bwd_dkv")(*operands, zeros(k), zeros(v))
-  if not with_dq:
-    return None, dk, dv
 
   block_q = max(MIN_TILE, min(config.dq_block_q, cap_q))
   block_k = max(MIN_TILE, min(config.dq_block_k, cap_k))
