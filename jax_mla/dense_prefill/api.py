@@ -78,8 +78,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     ``lse = +inf``.
 
   Differentiable (``jax.grad``) in ``q``, ``k`` and ``v`` on every implementation; the
-  backward runs as Triton kernels after the Mosaic GPU or Triton forward, in jax.numpy
-  after the reference (docs/api.md, section 9).
+  backward runs on the kernels of the forward's backend (Mosaic GPU or Triton), in
+  jax.numpy after the reference (docs/api.md, section 9).
   """
   args, static = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, sm_scale=sm_scale, causal=causal,

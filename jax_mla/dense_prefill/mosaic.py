@@ -1,5 +1,5 @@
-"""Pallas Mosaic GPU kernels (Hopper wgmma + TMA) for ``mla_prefill``: the forward and
-the backward's ``dq``.
+"""Pallas Mosaic GPU kernels (Hopper wgmma + TMA) for ``mla_prefill``: the forward, and the
+backward's ``dq`` and ``dk, dv`` kernels (FlashAttention-2's split: no atomics).
 
 FlashAttention-3's forward on the packed varlen layout. One CTA takes 128 query rows
 of one sequence and one head and three warpgroups: a producer streams the sequence's
@@ -32,7 +32,15 @@ The ``dq`` kernel (``grad``) is the same machine with other consumer math: per k
 ``S = Q K^T`` and ``dP = dO V^T``, ``P = exp2(S - lse)`` from the forward's LSE, ``dS = P
 (dP + b)`` and ``dq += dS K`` (two accumulators, the ``d_v`` and the rest columns); the
 keys past ``cu_seqlens_k[-1]`` come from a zero-padded copy as well, since ``K`` is now a
-factor. The backward's ``dk, dv`` stay on the Triton kernel.
+factor.
+
+The ``dk, dv`` kernel (:func:`_dkv_kernel`) takes 64 keys of one sequence and head per
+CTA, loaded once, and streams the query blocks that see them (``Q``, ``dO`` and the
+rows' LSE and ``b``; rows past ``cu_seqlens_q[-1]`` from zero-padded copies, since both
+are factors). Its two consumers split the work evenly instead of the rows: one computes
+``S^T = K Q^T``, ``P^T`` and ``dV += P^T dO`` and hands ``P^T`` over through SMEM, the
+other ``dP^T = V dO^T``, ``dS^T = P^T (dP^T + b)`` and ``dK += dS^T Q`` (one warpgroup
+holding both accumulators, 64 x 320 float32, would not fit its registers).
 
 The grid is ``(sequence + 1, head, tile)`` with the tile fastest (the last grid axis
 is ``blockIdx.x``), so the CTAs of one head run together and read its keys from L2;
