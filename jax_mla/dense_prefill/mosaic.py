@@ -150,6 +150,34 @@ def check_default(q, k, v, num_seqs: int):
                      f"{q.shape[0]} tokens in {num_seqs} sequences)")
 
 
+def _origin(info_ref):
+  """This CTA's ``(seq, head, wg)`` and its sequence's ``(q_start, len_q, k_start, len_k)``,
+  with the 8-row aligned starts ``q8``, ``k8`` (in units of 8 rows) and the rows ``q_off``,
+  ``k_off`` of the previous sequence that lead the first aligned query / key tile (the SMEM
+  tiling needs TMA row offsets that are multiples of 8)."""
+  seq, head, wg = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("wg")
+  q_start, len_q = info_ref[seq, 0], info_ref[seq, 1]
+  k_start, len_k = info_ref[seq, 2], info_ref[seq, 3]
+  q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
+  return (seq, head, wg, q_start, len_q, k_start, len_k, q8, k8, q_start - ALIGN * q8,
+          k_start - ALIGN * k8)
+
+
+def _load_block(plgpu, src, tail, dst, bar, *, head, first8, rows, tail8, past_end, cols=None):
+  """TMA of ``rows`` rows from ``8 * first8`` of ``src[:, head]`` (column range ``cols``),
+  or, when ``past_end``, of the same rows of ``tail`` (:func:`_tail_rows`, first row ``8 *
+  tail8``); ``tail`` None: always ``src``."""
+  idx = (slice(None),) if cols is None else (pl.ds(*cols),)
+  from_src = lambda: plgpu.copy_gmem_to_smem(  # noqa: E731
+      src.at[(pl.ds(ALIGN * first8, rows), head) + idx], dst, bar)
+  if tail is None:
+    from_src()
+    return
+  pl.when(jnp.logical_not(past_end))(from_src)
+  pl.when(past_end)(lambda: plgpu.copy_gmem_to_smem(
+      tail.at[(pl.ds(ALIGN * (first8 - tail8), rows), head) + idx], dst, bar))
+
+
 def _kernel(*refs, plgpu, grad, num_seqs, num_tiles, causal, scale, sm_scale, block_k,
             num_stages, registers):
   """The forward (``grad=False``) or the ``dq`` kernel (``grad=True``): the same tiles,
@@ -165,15 +193,7 @@ def _kernel(*refs, plgpu, grad, num_seqs, num_tiles, causal, scale, sm_scale, bl
     k_tail_ref = do_ref = vec_ref = do_s = None
     q_a, q_b, k_a, k_b, v_s, vec_s = smem
   q_bar, k_bar, v_bar, k_free, v_free, turn = barriers
-  seq = lax.axis_index("s")
-  head = lax.axis_index("h")
-  wg = lax.axis_index("wg")
-  q_start, len_q = info_ref[seq, 0], info_ref[seq, 1]
-  k_start, len_k = info_ref[seq, 2], info_ref[seq, 3]
-  # Tiles start at multiples of 8 rows (the SMEM tiling): q_off / k_off rows of the
-  # previous sequence lead the first query tile / key block.
-  q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
-  q_off, k_off = q_start - ALIGN * q8, k_start - ALIGN * k8
+  seq, head, wg, _, len_q, _, len_k, q8, k8, q_off, k_off = _origin(info_ref)
   d_v = q_a.shape[-1]
   d_b = 0 if q_b is None else q_b.shape[-1]
   row = _mosaic.row_layout(plgpu)
@@ -382,28 +402,19 @@ def _kernel(*refs, plgpu, grad, num_seqs, num_tiles, causal, scale, sm_scale, bl
     plgpu.set_max_registers(registers[1], action="decrease")
     end, tail8 = end_ref[0], end_ref[1]  # cu_seqlens_k[-1]: rows from it may be unwritten
 
-    def load(src, tail, dst, bar, first8, past_end, cols=None):
-      idx = (slice(None),) if cols is None else (pl.ds(*cols),)
-      if tail is None:
-        plgpu.copy_gmem_to_smem(src.at[(pl.ds(ALIGN * first8, block_k), head) + idx], dst, bar)
-        return
-      pl.when(jnp.logical_not(past_end))(lambda: plgpu.copy_gmem_to_smem(
-          src.at[(pl.ds(ALIGN * first8, block_k), head) + idx], dst, bar))
-      pl.when(past_end)(lambda: plgpu.copy_gmem_to_smem(
-          tail.at[(pl.ds(ALIGN * (first8 - tail8), block_k), head) + idx], dst, bar))
-
     @pl.loop(0, cta_steps)
     def _(i):
       slot = lax.rem(i, num_stages)
       first8 = k8 + i * (block_k // ALIGN)
-      past_end = ALIGN * first8 + block_k > end
+      load = functools.partial(_load_block, plgpu, head=head, first8=first8, rows=block_k,
+                               tail8=tail8, past_end=ALIGN * first8 + block_k > end)
       # The forward masks foreign keys' scores; dq also multiplies by K: zero its tail.
       pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-      load(k_ref, k_tail_ref, k_a.at[slot], k_bar.at[slot], first8, past_end, (0, d_v))
+      load(k_ref, k_tail_ref, k_a.at[slot], k_bar.at[slot], cols=(0, d_v))
       if d_b:
-        load(k_ref, k_tail_ref, k_b.at[slot], k_bar.at[slot], first8, past_end, (d_v, d_b))
+        load(k_ref, k_tail_ref, k_b.at[slot], k_bar.at[slot], cols=(d_v, d_b))
       pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-      load(v_ref, v_tail_ref, v_s.at[slot], v_bar.at[slot], first8, past_end)
+      load(v_ref, v_tail_ref, v_s.at[slot], v_bar.at[slot])
 
 
 def _tail_rows(x, end, block_k):
@@ -545,13 +556,7 @@ def _dkv_kernel(info_ref, end_ref, q_ref, do_ref, q_tail_ref, do_tail_ref, vec_r
   producer streams the query blocks (Q, dO and the rows' LSE and b) that see the keys."""
   k_a, k_b, v_s, q_a, q_b, do_s, vec_s, p_s = smem
   kv_bar, q_bar, p_ready, free, done = barriers
-  seq = lax.axis_index("s")
-  head = lax.axis_index("h")
-  wg = lax.axis_index("wg")
-  q_start, len_q = info_ref[seq, 0], info_ref[seq, 1]
-  k_start, len_k = info_ref[seq, 2], info_ref[seq, 3]
-  q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
-  q_off, k_off = q_start - ALIGN * q8, k_start - ALIGN * k8
+  seq, head, wg, _, len_q, _, len_k, q8, k8, q_off, k_off = _origin(info_ref)
   d_v = v_s.shape[-1]
   d_b = 0 if q_b is None else q_b.shape[-1]
   wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
@@ -703,18 +708,12 @@ def _dkv_kernel(info_ref, end_ref, q_ref, do_ref, q_tail_ref, do_tail_ref, vec_r
       slot = lax.rem(qb - first, num_stages)
       pl.when(qb - first >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
       first8 = q8 + qb * (ROWS // ALIGN)
-      past_end = ALIGN * first8 + ROWS > end
-
-      def load(src, tail, dst, cols=None):
-        idx = (slice(None),) if cols is None else (pl.ds(*cols),)
-        pl.when(jnp.logical_not(past_end))(lambda: plgpu.copy_gmem_to_smem(
-            src.at[(pl.ds(ALIGN * first8, ROWS), head) + idx], dst, q_bar.at[slot]))
-        pl.when(past_end)(lambda: plgpu.copy_gmem_to_smem(
-            tail.at[(pl.ds(ALIGN * (first8 - tail8), ROWS), head) + idx], dst, q_bar.at[slot]))
-
-      load(q_ref, q_tail_ref, q_a.at[slot], (0, d_v))
+      load = functools.partial(_load_block, plgpu, bar=q_bar.at[slot], head=head,
+                               first8=first8, rows=ROWS, tail8=tail8,
+                               past_end=ALIGN * first8 + ROWS > end)
+      load(q_ref, q_tail_ref, q_a.at[slot], cols=(0, d_v))
       if d_b:
-        load(q_ref, q_tail_ref, q_b.at[slot], (d_v, d_b))
+        load(q_ref, q_tail_ref, q_b.at[slot], cols=(d_v, d_b))
       load(do_ref, do_tail_ref, do_s.at[slot])
       for j in range(2):  # rows past the end read zeros from the padding; they are masked
         plgpu.copy_gmem_to_smem(vec_ref.at[j, head, pl.ds(ALIGN * first8, ROWS)],
