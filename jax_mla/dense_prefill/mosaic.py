@@ -517,6 +517,13 @@ def _pad_tokens(*xs):
   return tuple(jnp.pad(x, ((0, -x.shape[0] % ALIGN),) + ((0, 0),) * (x.ndim - 1)) for x in xs)
 
 
+def _row_vectors(lse, b):
+  """The backward kernels' per-row inputs, head-major ``[2, H, Tq]`` (the token axis
+  padded as :func:`_pad_tokens` pads ``q``): the base-2 LSE and ``b``."""
+  vec = jnp.stack([lse * LOG2E, b]).swapaxes(1, 2)
+  return jnp.pad(vec, ((0, 0), (0, 0), (0, -lse.shape[0] % ALIGN)))
+
+
 @functools.partial(jax.jit, static_argnames=("max_seqlen_q", "sm_scale", "causal", "config"))
 def mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_scale, causal,
                        config: Config):
@@ -539,10 +546,8 @@ def mla_prefill_dq_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *,
   num_q_tokens = q.shape[0]
   if num_q_tokens == 0 or k.shape[0] == 0:
     return jnp.zeros_like(q)
-  # Rows of the base-2 LSE and of b, head-major: [2, H, Tq], the token axis padded as q.
-  vec = jnp.stack([lse * LOG2E, b]).swapaxes(1, 2)
-  vec = jnp.pad(vec, ((0, 0), (0, 0), (0, -num_q_tokens % ALIGN)))
-  return _launch(_mosaic.plgpu(), _pad_tokens(q, k, v, d_out.astype(q.dtype)) + (vec,),
+  return _launch(_mosaic.plgpu(),
+                 _pad_tokens(q, k, v, d_out.astype(q.dtype)) + (_row_vectors(lse, b),),
                  grad=True, q=q, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal, config=config)
 
@@ -748,8 +753,7 @@ def mla_prefill_dkv_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *
   end_k = cu_seqlens_k[-1]
   info = info.at[num_seqs].set(jnp.stack([jnp.int32(0), jnp.int32(0), end_k,
                                           num_k_tokens - end_k]))
-  vec = jnp.stack([lse * LOG2E, b]).swapaxes(1, 2)  # [2, H, Tq]: base-2 LSE and b
-  vec = jnp.pad(vec, ((0, 0), (0, 0), (0, -num_q_tokens % ALIGN)))
+  vec = _row_vectors(lse, b)
   q_p, do_p, k_p, v_p = _pad_tokens(q, d_out.astype(q.dtype), k, v)
   q_tail, tail8 = _tail_rows(q_p, cu_seqlens_q[-1], ROWS)
   do_tail, _ = _tail_rows(do_p, cu_seqlens_q[-1], ROWS)
