@@ -130,11 +130,8 @@ def test_backward_kernels_match_the_triton_backward(causal, d_qk, lens_q, lens_k
   d_out = jnp.asarray(rng.standard_normal(out.shape), jnp.bfloat16)
   d_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
   b = triton_backward.row_term(out, lse, d_out, d_lse)
-  config = mosaic.default_config(d_qk, 128, grad=True)
-  args = (q, k, v, cu_q, cu_k, d_out, lse, b)
-  common = dict(sm_scale=0.08, causal=causal, config=config)
-  got = (mosaic.mla_prefill_dq_mosaic(*args, max_seqlen_q=kw["max_seqlen_q"], **common),
-         *mosaic.mla_prefill_dkv_mosaic(*args, max_seqlen_k=kw["max_seqlen_k"], **common))
+  got = mosaic.mla_prefill_bwd_mosaic(q, k, v, cu_q, cu_k, d_out, lse, b,
+                                      config=mosaic.default_config(d_qk, 128, grad=True), **kw)
   want = triton_backward.mla_prefill_bwd(q, k, v, cu_q, cu_k, out, lse, d_out, d_lse,
                                          config=triton_backward.Config(), **kw)
   for name, a, w, end in zip(("dq", "dk", "dv"), got, want,
@@ -159,6 +156,11 @@ def test_check_supported_and_config():
     mosaic.check_supported(q, v, mosaic.Config(block_k=128, num_stages=3))
   with pytest.raises(ValueError, match="block_k"):
     mosaic.Config(block_k=32)
+  # Backward: three 64-row stages at d 192/128, two at 256/128; at 256/256 forward only.
+  assert mosaic.default_config(192, 128, grad=True) == mosaic.Config(block_k=64, num_stages=3)
+  assert mosaic.default_config(256, 128, grad=True) == mosaic.Config(block_k=64)
+  assert mosaic.default_config(256, 256) == mosaic.Config(block_k=64)
+  assert mosaic.default_config(256, 256, grad=True) is None
   with pytest.raises(ValueError, match="register split"):
     mosaic.Config(consumer_registers=240, producer_registers=40)
   tokens = lambda n: jnp.zeros((n, 2, 192), jnp.bfloat16)  # noqa: E731

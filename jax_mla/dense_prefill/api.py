@@ -169,7 +169,8 @@ def _prefill_forward(statics, q, k, v, cu_seqlens_q, cu_seqlens_k):
 
 
 # The backward from the saved out and lse: XLA (backward.py) after the reference forward,
-# the Triton kernels (triton_backward.py) after a kernel forward.
+# the Mosaic GPU kernels (mosaic.py) after the Mosaic GPU forward, else the Triton kernels
+# (triton_backward.py).
 _differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
 
 
@@ -188,16 +189,13 @@ def _prefill_bwd(statics, residuals, cotangents):
     grads = backward.mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out,
                                      d_lse, **kw)
     return *grads, None, None
-  if isinstance(config, mosaic.Config):  # after the Mosaic GPU forward, its backward
-    b = triton_backward.row_term(out, lse, d_out, d_lse)
-    grad_config = mosaic.default_config(q.shape[-1], v.shape[-1], grad=True)
-    dq = mosaic.mla_prefill_dq_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b,
-                                      max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
-                                      causal=causal, config=grad_config)
-    dk, dv = mosaic.mla_prefill_dkv_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b,
-                                           max_seqlen_k=max_seqlen_k, sm_scale=sm_scale,
-                                           causal=causal, config=grad_config)
-    return dq, dk, dv, None, None
+  grad_config = mosaic.default_config(q.shape[-1], v.shape[-1], grad=True)
+  if isinstance(config, mosaic.Config) and grad_config is not None:
+    # After the Mosaic GPU forward, its backward kernels where their SMEM fits.
+    grads = mosaic.mla_prefill_bwd_mosaic(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse,
+        triton_backward.row_term(out, lse, d_out, d_lse), config=grad_config, **kw)
+    return *grads, None, None
   grads = triton_backward.mla_prefill_bwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out,
                                           d_lse, config=triton_backward.Config(),
                                           interpret=interpret, **kw)

@@ -100,20 +100,27 @@ class Config:
 
 
 def _smem_bytes(d_qk: int, d_v: int, config: Config, grad: bool = False) -> int:
-  """The queries and LSE staging of both consumers (with ``grad``, also their dO rows and
-  b) plus the key ring."""
-  rows = 2 * ROWS * (d_qk * 2 + 4 + grad * (d_v * 2 + 4))
-  return rows + config.num_stages * config.block_k * (d_qk + d_v) * 2
+  """The forward: the queries and LSE staging of both consumers plus the key ring. With
+  ``grad``, the larger of the two backward kernels: ``dq`` (the forward's, with the
+  consumers' dO rows and b) and ``dk, dv`` (the CTA's keys and values plus a ring of query
+  blocks: Q, dO, LSE and b, and P^T)."""
+  ring = config.num_stages * config.block_k * (d_qk + d_v) * 2
+  if not grad:
+    return 2 * ROWS * (d_qk * 2 + 4) + ring
+  dq = 2 * ROWS * (d_qk * 2 + 4 + d_v * 2 + 4) + ring
+  query_block = ROWS * (d_qk + d_v) * 2 + 2 * ROWS * 4 + ROWS * ROWS * 2
+  return max(dq, ROWS * (d_qk + d_v) * 2 + config.num_stages * query_block)
 
 
-def default_config(d_qk: int, d_v: int, grad: bool = False) -> Config:
+def default_config(d_qk: int, d_v: int, grad: bool = False) -> Config | None:
   """The forward: ``Config()`` where its two 128-key stages fit shared memory (d 192/128),
-  else two 64-key stages. The ``dq`` kernel (``grad``): 64-key stages (its scores, dP and
-  two dq accumulators fill the registers at 128), three where they fit."""
+  else two 64-key stages. The backward kernels (``grad``): 64-row stages (the ``dq``
+  kernel's scores, dP and two dq accumulators fill the registers at 128), three where
+  they fit; None where even two do not (the backward then runs on Triton)."""
   configs = [Config(block_k=64, num_stages=3)] if grad else [Config()]
   configs.append(Config(block_k=64))
   fits = [c for c in configs if _smem_bytes(d_qk, d_v, c, grad) <= SMEM_BYTES]
-  return fits[0] if fits else configs[-1]
+  return fits[0] if fits else None if grad else configs[-1]
 
 
 def check_supported(q, v, config: Config | None = None):
@@ -151,16 +158,15 @@ def check_default(q, k, v, num_seqs: int):
 
 
 def _origin(info_ref):
-  """This CTA's ``(seq, head, wg)`` and its sequence's ``(q_start, len_q, k_start, len_k)``,
-  with the 8-row aligned starts ``q8``, ``k8`` (in units of 8 rows) and the rows ``q_off``,
-  ``k_off`` of the previous sequence that lead the first aligned query / key tile (the SMEM
-  tiling needs TMA row offsets that are multiples of 8)."""
+  """This CTA's ``(seq, head, wg)`` and its sequence's ``(len_q, len_k)``, with the 8-row
+  aligned starts ``q8``, ``k8`` (in units of 8 rows) and the rows ``q_off``, ``k_off`` of
+  the previous sequence that lead the first aligned query / key tile (the SMEM tiling
+  needs TMA row offsets that are multiples of 8)."""
   seq, head, wg = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("wg")
   q_start, len_q = info_ref[seq, 0], info_ref[seq, 1]
   k_start, len_k = info_ref[seq, 2], info_ref[seq, 3]
   q8, k8 = lax.div(q_start, ALIGN), lax.div(k_start, ALIGN)
-  return (seq, head, wg, q_start, len_q, k_start, len_k, q8, k8, q_start - ALIGN * q8,
-          k_start - ALIGN * k8)
+  return (seq, head, wg, len_q, len_k, q8, k8, q_start - ALIGN * q8, k_start - ALIGN * k8)
 
 
 def _load_block(plgpu, src, tail, dst, bar, *, head, first8, rows, tail8, past_end, cols=None):
@@ -193,7 +199,7 @@ def _kernel(*refs, plgpu, grad, num_seqs, num_tiles, causal, scale, sm_scale, bl
     k_tail_ref = do_ref = vec_ref = do_s = None
     q_a, q_b, k_a, k_b, v_s, vec_s = smem
   q_bar, k_bar, v_bar, k_free, v_free, turn = barriers
-  seq, head, wg, _, len_q, _, len_k, q8, k8, q_off, k_off = _origin(info_ref)
+  seq, head, wg, len_q, len_k, q8, k8, q_off, k_off = _origin(info_ref)
   d_v = q_a.shape[-1]
   d_b = 0 if q_b is None else q_b.shape[-1]
   row = _mosaic.row_layout(plgpu)
@@ -451,8 +457,9 @@ def _scatter(out, side, idx):
 
 def _launch(plgpu, inputs, *, grad, q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             sm_scale, causal, config: Config):
-  """Runs :func:`_kernel` on padded ``inputs``; returns its outputs, each partial tile
-  scattered from the side buffers, cut to ``q``'s tokens."""
+  """Runs :func:`_kernel` on padded ``inputs`` (``q, k, v`` and for ``grad`` also dO and
+  :func:`_row_vectors`); returns its outputs, each partial tile scattered from the side
+  buffers, cut to ``q``'s tokens."""
   num_q_tokens, num_heads, d_qk = q.shape
   d_v = v.shape[-1]
   d_b = d_qk - d_v
@@ -538,20 +545,6 @@ def mla_prefill_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, sm_
                  max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "sm_scale", "causal", "config"))
-def mla_prefill_dq_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *, max_seqlen_q,
-                          sm_scale, causal, config: Config):
-  """``dq [Tq, H, d_qk]`` of ``mla_prefill`` from the forward's token-major natural-log
-  ``lse`` and ``b = d_lse - rowsum(dO * out)`` (float32 ``[Tq, H]``)."""
-  num_q_tokens = q.shape[0]
-  if num_q_tokens == 0 or k.shape[0] == 0:
-    return jnp.zeros_like(q)
-  return _launch(_mosaic.plgpu(),
-                 _pad_tokens(q, k, v, d_out.astype(q.dtype)) + (_row_vectors(lse, b),),
-                 grad=True, q=q, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                 max_seqlen_q=max_seqlen_q, sm_scale=sm_scale, causal=causal, config=config)
-
-
 def _dkv_kernel(info_ref, end_ref, q_ref, do_ref, q_tail_ref, do_tail_ref, vec_ref, k_ref,
                 v_ref, dk_ref, dv_ref, dk_side_ref, dv_side_ref, smem, barriers, *, plgpu,
                 num_seqs, num_tiles, causal, scale, sm_scale, num_stages, registers):
@@ -561,7 +554,7 @@ def _dkv_kernel(info_ref, end_ref, q_ref, do_ref, q_tail_ref, do_tail_ref, vec_r
   producer streams the query blocks (Q, dO and the rows' LSE and b) that see the keys."""
   k_a, k_b, v_s, q_a, q_b, do_s, vec_s, p_s = smem
   kv_bar, q_bar, p_ready, free, done = barriers
-  seq, head, wg, _, len_q, _, len_k, q8, k8, q_off, k_off = _origin(info_ref)
+  seq, head, wg, len_q, len_k, q8, k8, q_off, k_off = _origin(info_ref)
   d_v = v_s.shape[-1]
   d_b = 0 if q_b is None else q_b.shape[-1]
   wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
@@ -734,17 +727,32 @@ def _blocks(step, carry, first, full, inner_end, n_blocks):
   return lax.fori_loop(inner_end, n_blocks, functools.partial(step, masked=True), carry)
 
 
-@functools.partial(jax.jit, static_argnames=("max_seqlen_k", "sm_scale", "causal", "config"))
-def mla_prefill_dkv_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *,
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "max_seqlen_k", "sm_scale",
+                                             "causal", "config"))
+def mla_prefill_bwd_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *, max_seqlen_q,
                            max_seqlen_k, sm_scale, causal, config: Config):
-  """``(dk [Tk, H, d_qk], dv [Tk, H, d_v])`` of ``mla_prefill`` from the forward's
-  token-major natural-log ``lse`` and ``b = d_lse - rowsum(dO * out)`` (``[Tq, H]``)."""
+  """``(dq, dk, dv)`` of ``mla_prefill`` in the dtypes of ``q, k, v``, from the forward's
+  token-major natural-log ``lse`` and ``b = d_lse - rowsum(dO * out)`` (float32 ``[Tq,
+  H]``): the ``dq`` kernel and the ``dk, dv`` kernel on one padded copy of the inputs."""
+  if q.shape[0] == 0 or k.shape[0] == 0:
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+  padded = _pad_tokens(q, k, v, d_out.astype(q.dtype))
+  vec = _row_vectors(lse, b)
+  common = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sm_scale=sm_scale,
+                causal=causal, config=config)
+  dq = _launch(_mosaic.plgpu(), padded + (vec,), grad=True, q=q, v=v,
+               max_seqlen_q=max_seqlen_q, **common)
+  return (dq, *_launch_dkv(*padded, vec, q=q, k=k, v=v, max_seqlen_k=max_seqlen_k, **common))
+
+
+def _launch_dkv(q_p, k_p, v_p, do_p, vec, *, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_k, sm_scale, causal, config: Config):
+  """Runs :func:`_dkv_kernel` on the padded inputs; returns ``(dk, dv)`` with each
+  partial key tile scattered from the side buffers, cut to ``k``'s tokens."""
   plgpu = _mosaic.plgpu()
   num_q_tokens, num_heads, d_qk = q.shape
   num_k_tokens, d_v = k.shape[0], v.shape[-1]
   d_b = d_qk - d_v
-  if num_q_tokens == 0 or num_k_tokens == 0:
-    return jnp.zeros_like(k), jnp.zeros_like(v)
   num_seqs = cu_seqlens_q.shape[0] - 1
   num_stages = config.num_stages
   num_tiles = max(1, cdiv(max_seqlen_k + ALIGN - 1, ROWS))
@@ -753,8 +761,6 @@ def mla_prefill_dkv_mosaic(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, lse, b, *
   end_k = cu_seqlens_k[-1]
   info = info.at[num_seqs].set(jnp.stack([jnp.int32(0), jnp.int32(0), end_k,
                                           num_k_tokens - end_k]))
-  vec = _row_vectors(lse, b)
-  q_p, do_p, k_p, v_p = _pad_tokens(q, d_out.astype(q.dtype), k, v)
   q_tail, tail8 = _tail_rows(q_p, cu_seqlens_q[-1], ROWS)
   do_tail, _ = _tail_rows(do_p, cu_seqlens_q[-1], ROWS)
   end = jnp.stack([cu_seqlens_q[-1], tail8]).astype(jnp.int32)
