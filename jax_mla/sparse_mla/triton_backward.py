@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_mla._common import LOG2E, cdiv, next_pow2
-from jax_mla.sparse_mla.triton import MIN_TILE, gather_rows
+from jax_mla.sparse_mla.triton import MIN_TILE, col_iota, gather_rows
 
 PIECE = 128  # widest column piece
 
@@ -80,8 +80,7 @@ def _add_rows(ref, rows, valid, col: int, val, *, row_by_row: bool):
   """
   w = val.shape[1]
   if not row_by_row:
-    cols = col + lax.broadcasted_iota(jnp.int32, (1, w), 1)
-    plgpu.atomic_add(ref, (rows[:, None], cols), val,
+    plgpu.atomic_add(ref, (rows[:, None], col_iota(col, w)), val,
                      mask=jnp.broadcast_to(valid[:, None], val.shape))
     return
   rows = jnp.where(valid, rows, ref.shape[0] - 1)
