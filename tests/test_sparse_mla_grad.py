@@ -13,8 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import has_gpu
+from sparse_cases import random_indices
 
-from jax_mla.sparse_mla import backward, reference, sparse_mla_prefill, triton_backward
+from jax_mla.sparse_mla import (
+  backward,
+  mosaic_backward,
+  reference,
+  sparse_mla_prefill,
+  triton_backward,
+)
 from jax_mla.sparse_mla.layout import token_lengths
 from jax_mla.testing import rel_err
 
@@ -107,6 +114,56 @@ def test_kernel_head_blocks_and_key_steps(seed, interpret):
   assert rel_err(dq, want_dq) < 1e-2
   assert rel_err(dkv, want_dkv) < 1e-2
   np.testing.assert_array_equal(np.asarray(dq[1], np.float32), 0)  # length 0
+
+
+def _kernel_case(seed, s_q, h, d_qk, s_kv, topk, lens):
+  """Random inputs of the backward kernels with invalid indices of every kind, NaN in the
+  unnamed rows of ``kv`` and ``lens`` clipped to ``topk``; returns ``(args, want_dq,
+  want_dkv)`` (the XLA backward's)."""
+  rng = np.random.default_rng(seed)
+  k = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = (jax.random.normal(k[0], (s_q, h, d_qk)) / 2).astype(jnp.bfloat16)
+  idx = random_indices(rng, (s_q, topk), s_kv)
+  idx[:, 1:4] = idx[:, :1]  # duplicates in a row
+  idx[1:, 5] = idx[0, 5]  # and across rows
+  rows = rng.standard_normal((s_kv, d_qk)).astype(np.float32) / 2
+  named = np.zeros(s_kv, bool)
+  named[idx[(idx >= 0) & (idx < s_kv)]] = True
+  rows[~named] = np.nan
+  kv, idx = jnp.asarray(rows, jnp.bfloat16), jnp.asarray(idx)
+  lens = jnp.asarray(lens, jnp.int32)
+  out, _, lse = reference.sparse_prefill(q, kv, idx, None, lens, sm_scale=SCALE, d_v=512)
+  g = jax.random.normal(k[1], out.shape).astype(jnp.bfloat16)
+  c = jax.random.normal(k[2], lse.shape)
+  f, g_out = backward.head_terms(out, lse, g, None)
+  want_dq, want_dkv, _ = backward.sparse_prefill_bwd(
+      q, kv, idx, None, lens, out, lse, g, c, sm_scale=SCALE, d_v=512)
+  return (q, kv, idx, lens, g, lse, f, c - f * g_out), want_dq, want_dkv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed,h,d_qk", [(11, 64, 576), (12, 128, 512), (13, 192, 576)])
+def test_mosaic_dkv_kernel(seed, h, d_qk):
+  """The Mosaic GPU dkv kernel: several key blocks (a partial last one), lengths of 0,
+  short and past topk, invalid and duplicate indices, NaN in unnamed rows, 1-3 head
+  blocks."""
+  s_q, s_kv, topk = 6, 300, 150
+  args, _, want = _kernel_case(seed, s_q, h, d_qk, s_kv, topk, [150, 0, 64, 65, 1, 400])
+  assert mosaic_backward.supported(args[0], 512)
+  got = mosaic_backward.sparse_prefill_dkv(*args, sm_scale=SCALE)
+  assert got.dtype == jnp.float32 and bool(jnp.isfinite(got).all())
+  assert rel_err(got, want) < 1e-2
+
+
+def test_mosaic_dkv_kernel_supported_shapes():
+  """What falls back to the Triton dkv kernel."""
+  q = jax.ShapeDtypeStruct
+  assert mosaic_backward.supported(q((2, 64, 576), jnp.bfloat16), 512)
+  assert mosaic_backward.supported(q((2, 128, 512), jnp.bfloat16), 512)
+  assert not mosaic_backward.supported(q((2, 32, 576), jnp.bfloat16), 512)  # heads
+  assert not mosaic_backward.supported(q((2, 64, 576), jnp.float16), 512)
+  assert not mosaic_backward.supported(q((2, 64, 576), jnp.bfloat16), 256)  # d_v
+  assert not mosaic_backward.supported(q((2, 64, 640), jnp.bfloat16), 512)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

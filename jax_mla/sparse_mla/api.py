@@ -38,7 +38,14 @@ from jax_mla.cache.model1 import MODEL1
 from jax_mla.cache.v41_fp4 import V41_FP4
 from jax_mla.cache.v41_fp8 import V41_FP8
 from jax_mla.sharding import OpSharding, shape_of
-from jax_mla.sparse_mla import backward, mosaic, reference, triton, triton_backward
+from jax_mla.sparse_mla import (
+  backward,
+  mosaic,
+  mosaic_backward,
+  reference,
+  triton,
+  triton_backward,
+)
 from jax_mla.sparse_mla.layout import token_lengths
 
 D_QKS = (D_QK, D_QK_V4)
@@ -223,11 +230,16 @@ def _prefill_bwd(statics, residuals, cotangents):
     dq, dkv, dsink = backward.sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse,
                                                  d_out, d_lse, sm_scale=sm_scale, d_v=d_v)
     return dq, dkv, None, dsink, None
-  # Triton and Mosaic GPU forwards: the Triton backward kernel (no Mosaic one yet).
+  # Triton and Mosaic GPU forwards: the Triton dq kernel; dkv from the Mosaic GPU kernel
+  # behind a Mosaic GPU forward where it takes the shape, else from the Triton one.
   f, g_out = backward.head_terms(out, lse, d_out, attn_sink)
-  dq, dkv = triton_backward.sparse_prefill_bwd(
-      q, kv, indices, lengths, d_out.astype(jnp.bfloat16), lse, f, d_lse - f * g_out,
-      sm_scale=sm_scale, d_v=d_v, config=triton_backward.Config(), interpret=interpret)
+  args = (q, kv, indices, lengths, d_out.astype(jnp.bfloat16), lse, f, d_lse - f * g_out)
+  kwargs = dict(sm_scale=sm_scale, d_v=d_v, config=triton_backward.Config(), interpret=interpret)
+  dq = triton_backward.sparse_prefill_dq(*args, **kwargs)
+  if impl == "mosaic" and mosaic_backward.supported(q, d_v):
+    dkv = mosaic_backward.sparse_prefill_dkv(*args, sm_scale=sm_scale)
+  else:
+    dkv = triton_backward.sparse_prefill_dkv(*args, **kwargs)
   return dq, dkv.astype(kv.dtype), None, backward.sink_grad(f, g_out, attn_sink), None
 
 

@@ -140,8 +140,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
                plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * (pair is not None)
   paired = pair is not None
   stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
-      functools.partial(_stage_fn, pair=paired))
-  wait_copies = plgpu.inline_mgpu()(_wait_copies)
+      functools.partial(stage_fn, pair=paired))
+  wait_copies = plgpu.inline_mgpu()(wait_copies_fn)
   wait_peer = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_wait_peer)
 
   def ready(i):
@@ -228,7 +228,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   def gather(ctx, next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
              pair_ref=None):
     """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
-    set's prologue, :func:`_stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
+    set's prologue, :func:`stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
     step's indices in GMEM and where to stage them (``cp.async``, waited for with the
     step's copies): the index loads leave the steps' critical path. ``pair_ref``: the
     slot's pair mbarrier (pair only)."""
@@ -377,7 +377,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   return gather
 
 
-def _stage_fn(ctx, idx_ref, staged_ref, *, pair: bool):
+def stage_fn(ctx, idx_ref, staged_ref, *, pair: bool = False):
   """Copies this thread's rows of a set's first 64 indices (GMEM) into SMEM, where the
   first step of the set reads them (inline Mosaic GPU)."""
   del ctx
@@ -613,7 +613,7 @@ def _tile_scaled_asm(fmt: TileScaled, row_offset: int, pair: bool = False) -> st
   return "\n".join(lines)
 
 
-def _wait_copies(ctx):
+def wait_copies_fn(ctx):
   del ctx
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import llvm

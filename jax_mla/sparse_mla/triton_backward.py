@@ -176,6 +176,44 @@ def _dkv_kernel(q_ref, kv_ref, idx_ref, len_ref, g_ref, lse_ref, coef_ref, bias_
     _add_rows(dkv_ref, idx, valid, c, dk, row_by_row=row_by_row)
 
 
+def _operands_and_params(q, kv, indices, lengths, d_out, lse, coef, bias, sm_scale, d_v,
+                         config):
+  operands = (q, kv, indices, lengths, d_out, lse, coef, bias)
+  params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+  return operands, params, dict(h_q=q.shape[1], d_v=d_v, sm_scale=float(sm_scale))
+
+
+def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float,
+                      d_v: int, config: Config, interpret: bool = False):
+  """bf16 ``dq[s_q, h_q, d_qk]`` of sparse prefill (arguments: :func:`sparse_prefill_bwd`)."""
+  operands, params, common = _operands_and_params(q, kv, indices, lengths, d_out, lse, coef,
+                                                  bias, sm_scale, d_v, config)
+  s_q, h_q, _ = q.shape
+  block_h = max(MIN_TILE, min(config.dq_block_h, next_pow2(h_q)))
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, block_h=block_h, block_k=config.dq_block_k, **common),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(s_q, cdiv(h_q, block_h)),
+      compiler_params=params, interpret=interpret, name="sparse_mla_bwd_dq")(*operands)
+
+
+def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float,
+                       d_v: int, config: Config, interpret: bool = False):
+  """float32 ``dkv[s_kv, d_qk]`` of sparse prefill (arguments: :func:`sparse_prefill_bwd`)."""
+  operands, params, common = _operands_and_params(q, kv, indices, lengths, d_out, lse, coef,
+                                                  bias, sm_scale, d_v, config)
+  s_q, h_q, d_qk = q.shape
+  topk = indices.shape[1]
+  block_h = max(MIN_TILE, min(config.dkv_block_h, next_pow2(h_q)))
+  dkv0 = jnp.zeros((kv.shape[0] + 1, d_qk), jnp.float32)  # + the interpreter's spare row
+  dkv = pl.pallas_call(
+      functools.partial(_dkv_kernel, block_h=block_h, block_k=config.dkv_block_k,
+                        row_by_row=interpret, **common),
+      out_shape=jax.ShapeDtypeStruct(dkv0.shape, jnp.float32),
+      grid=(s_q, cdiv(topk, config.dkv_block_k)), input_output_aliases={8: 0},
+      compiler_params=params, interpret=interpret, name="sparse_mla_bwd_dkv")(*operands, dkv0)
+  return dkv[:-1]
+
+
 def sparse_prefill_bwd(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float,
                        d_v: int, config: Config, interpret: bool = False):
   """``(dq bf16 [s_q, h_q, d_qk], dkv float32 [s_kv, d_qk])`` of sparse prefill.
@@ -185,22 +223,6 @@ def sparse_prefill_bwd(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sc
   ``ds = p (coef dp + bias)`` per head (``coef`` the sink factor ``f``, ``bias = c - f
   g.out`` with ``c`` the cotangent of ``lse``).
   """
-  s_q, h_q, d_qk = q.shape
-  topk = indices.shape[1]
-  operands = (q, kv, indices, lengths, d_out, lse, coef, bias)
-  params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-  common = dict(h_q=h_q, d_v=d_v, sm_scale=float(sm_scale))
-  dq_h = max(MIN_TILE, min(config.dq_block_h, next_pow2(h_q)))
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, block_h=dq_h, block_k=config.dq_block_k, **common),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(s_q, cdiv(h_q, dq_h)),
-      compiler_params=params, interpret=interpret, name="sparse_mla_bwd_dq")(*operands)
-  dkv_h = max(MIN_TILE, min(config.dkv_block_h, next_pow2(h_q)))
-  dkv0 = jnp.zeros((kv.shape[0] + 1, d_qk), jnp.float32)  # + the interpreter's spare row
-  dkv = pl.pallas_call(
-      functools.partial(_dkv_kernel, block_h=dkv_h, block_k=config.dkv_block_k,
-                        row_by_row=interpret, **common),
-      out_shape=jax.ShapeDtypeStruct(dkv0.shape, jnp.float32),
-      grid=(s_q, cdiv(topk, config.dkv_block_k)), input_output_aliases={8: 0},
-      compiler_params=params, interpret=interpret, name="sparse_mla_bwd_dkv")(*operands, dkv0)
-  return dq, dkv[:-1]
+  args = (q, kv, indices, lengths, d_out, lse, coef, bias)
+  kwargs = dict(sm_scale=sm_scale, d_v=d_v, config=config, interpret=interpret)
+  return sparse_prefill_dq(*args, **kwargs), sparse_prefill_dkv(*args, **kwargs)

@@ -1,0 +1,257 @@
+"""Pallas Mosaic GPU (Hopper) ``dkv`` kernel of the sparse MLA prefill backward.
+
+``dK`` rows leave a sparse backward scattered: row ``idx[t, k]`` gets ``sm_scale ds^T q +
+(f p)^T dO`` from every (token, head) that picked it. The Triton kernel adds them with
+float32 atomics, one per (token, key, column), and at about 1e11 a second on an H100
+they bound it (73 ms of its 98.5 at the V3.2 shape). This kernel sums a token's heads
+in registers and then adds each gathered row with one TMA bulk reduce-add per 256
+columns (``cp.reduce.async.bulk.tensor``): measured alone at the V3.2 volume, 3.9e11
+float32 adds a second (12.4 ms for 19 GB).
+
+One CTA takes 64 of one token's keys (``idx[t, 64 j : 64 j + 64]``, gathered once into
+SMEM by the producer warpgroup with :func:`.mosaic_gather.gather_fn`) and streams the
+token's heads, ``HEADS`` at a time (``Q``, ``dO`` and the heads' LSE, ``f`` and ``b``;
+one buffer: with the keys, 64-head blocks of ``Q`` and ``dO`` fill the SMEM). The keys
+sit on the wgmma M side (``S^T = K Q^T``, 64 x ``HEADS``), and the two consumer
+warpgroups split each block's work evenly:
+
+- warpgroup 0: ``S^T``, ``P^T = exp2(S^T - lse)`` (masked by the keys' validity) handed
+  over through SMEM, then ``dKV[:, :256] += (f P^T) dO[:, :256] + dS^T Q[:, :256]``;
+- warpgroup 1: ``dP^T = V dO^T``, ``dS^T = sm_scale P^T (f dP^T + b)`` handed back,
+  then ``dKV[:, 256:] += dS^T Q[:, 256:] + (f P^T) dO[:, 256:512]``.
+
+``P^T`` and ``dS^T`` enter the ``dKV`` products from registers. At the end the float32
+accumulators go to SMEM (over the dead key and query tiles) and each valid row is
+reduce-added into ``dkv[idx]``; invalid or masked indices (``-1`` after
+:func:`.mosaic_gather.clean_indices`) add nothing, duplicates add.
+
+Shapes: bf16, ``d_v`` 512, ``d_qk`` 576 or 512, ``h_q`` a multiple of ``HEADS``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_mla import _mosaic
+from jax_mla._common import LOG2E
+from jax_mla.sparse_mla.mosaic_gather import (
+  BLOCK_K,
+  D_MAIN,
+  HALF,
+  clean_indices,
+  gather_fn,
+  stage_fn,
+  swizzled,
+  wait_copies_fn,
+)
+
+HEADS = 64  # query heads per streamed block: S^T's wgmma N, the dKV products' K
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 = 3 * 168
+
+
+def supported(q, d_v: int) -> bool:
+  """Whether this kernel takes ``q[s_q, h_q, d_qk]`` (else the Triton ``dkv`` kernel)."""
+  _, h_q, d_qk = q.shape
+  return (q.dtype == jnp.bfloat16 and d_v == D_MAIN and d_qk in (D_MAIN, D_MAIN + 64)
+          and h_q % HEADS == 0)
+
+
+def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem, barriers, *,
+            plgpu, gather, num_blocks, h_q, scale, sm_scale):
+  union, p_s, ds_s, vec_s, key_rows = smem
+  valid, staged = key_rows.at[pl.ds(0, 1)], key_rows.at[pl.ds(1, 1)]  # validity, index
+  (k_main, k_rope, q_main, q_rope, do_s), (out_main, out_rope) = union
+  kv_bar, q_bar, free, p_ready, ds_ready, done = barriers
+  has_rope = k_rope is not None
+  pid = lax.axis_index("b")
+  t, j = lax.div(pid, num_blocks), lax.rem(pid, num_blocks)
+  wg = lax.axis_index("wg")
+  num_heads = h_q // HEADS
+  active = j * BLOCK_K < len_ref[t]  # a block past the token's keys adds nothing
+
+  @pl.when(active & (wg == 2))
+  def _producer():
+    _mosaic.set_registers(plgpu, PRODUCER_REGISTERS, 3)
+    idx_block = idx_ref.at[t, pl.ds(j * BLOCK_K, BLOCK_K)]
+    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(stage_fn)
+    stage(idx_block, staged.at[0])
+    swizzled_ref = plgpu.RefType(swizzled(plgpu))
+    plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref)
+                      + (plgpu.RefType(),) * 3)(gather)(
+        idx_block, kv_ref, k_main, k_rope if has_rope else q_rope, valid.at[0],
+        staged.at[0], staged.at[0])  # no next block: restages the same indices
+    plgpu.inline_mgpu()(wait_copies_fn)()
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(kv_bar)
+
+    @pl.loop(0, num_heads)
+    def _(i):
+      pl.when(i > 0)(lambda: plgpu.barrier_wait(free))
+      rows = pl.ds(t * h_q + i * HEADS, HEADS)
+      for h in range(2):
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h], q_bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[rows, pl.ds(h * HALF, HALF)], do_s.at[h], q_bar)
+      if has_rope:
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])], q_rope,
+                                q_bar)
+      plgpu.copy_gmem_to_smem(vec_ref.at[t, :, pl.ds(i * HEADS, HEADS)], vec_s, q_bar)
+
+  @pl.when(active & (wg < 2))
+  def _consumer():
+    _mosaic.set_registers(plgpu, CONSUMER_REGISTERS, 3)
+    col = _mosaic.col_layout(plgpu)
+    wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
+
+    def head_vec(k):  # per head: a column vector of the [keys, heads] tiles
+      v = plgpu.load(vec_s.at[k], (), layout=col, optimized=False)
+      return lax.broadcast_in_dim(v, (BLOCK_K, HEADS), [1])
+
+    plgpu.barrier_wait(kv_bar)
+    ok = plgpu.load(valid.at[0], (), layout=_mosaic.row_layout(plgpu), optimized=False)
+    key_ok = lax.broadcast_in_dim(ok, (BLOCK_K, HEADS), [0]) != 0
+
+    # Run_state closures index the tiles with traced values only (jax 0.11's lowering
+    # rejects a folded constant there): warpgroup w's half of the columns is ``.at[wg]``.
+    def product(acc, a, bs):
+      def run(ref):
+        for a_i, b in zip(a, bs, strict=True):
+          plgpu.wgmma(ref, a_i, b)
+      return pl.run_state(run)(plgpu.ACC.init(acc))
+
+    def transposed_product(k_tiles, q_tiles):
+      def run(ref):
+        for k_tile, q_tile in zip(k_tiles, q_tiles, strict=True):
+          plgpu.wgmma(ref, k_tile, q_tile.transpose((1, 0)))
+        return ref[...]
+      return pl.run_scoped(run, plgpu.ACC((BLOCK_K, HEADS), jnp.float32))
+
+    @pl.when(wg == 0)
+    def _wg0():
+      def step(i, acc):
+        del i
+        plgpu.barrier_wait(q_bar)
+        k_tiles = [k_main.at[0], k_main.at[1]] + ([k_rope] if has_rope else [])
+        q_tiles = [q_main.at[0], q_main.at[1]] + ([q_rope] if has_rope else [])
+        s_t = transposed_product(k_tiles, q_tiles)
+        p_t = jnp.where(key_ok, jnp.exp2(s_t * scale - head_vec(0)), 0.0)
+        p_s[...] = p_t.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+        fp_t = (p_t * head_vec(1)).astype(jnp.bfloat16)
+        acc = product(acc, [fp_t], [do_s.at[wg]])
+        plgpu.barrier_wait(ds_ready)
+        ds_t = ds_s[...]
+        acc = product(acc, [ds_t], [q_main.at[wg]])
+        plgpu.barrier_arrive(free)
+        return acc
+
+      acc = lax.fori_loop(0, num_heads, step, wgmma_layout(jnp.zeros((BLOCK_K, HALF),
+                                                                     jnp.float32)))
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)  # both warpgroups are done with the key and query tiles
+      out_main.at[0][...] = acc
+      plgpu.commit_smem()
+      _reduce_rows(plgpu, staged.at[0], [(out_main.at[0], 0)], dkv_ref)
+
+    @pl.when(wg == 1)
+    def _wg1():
+      def step(i, accs):
+        del i
+        plgpu.barrier_wait(q_bar)
+        dp_t = transposed_product([k_main.at[0], k_main.at[1]], [do_s.at[0], do_s.at[1]])
+        plgpu.barrier_wait(p_ready)
+        p_t = p_s[...].astype(jnp.float32)
+        ds_t = (sm_scale * p_t * (head_vec(1) * dp_t + head_vec(2))).astype(jnp.bfloat16)
+        ds_s[...] = ds_t
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready)
+        fp_t = (p_t * head_vec(1)).astype(jnp.bfloat16)
+        main = product(accs[0], [ds_t, fp_t], [q_main.at[wg], do_s.at[wg]])
+        rope = (product(accs[1], [ds_t], [q_rope]),) if has_rope else ()
+        plgpu.barrier_arrive(free)
+        return (main, *rope)
+
+      zeros = lambda cols: wgmma_layout(jnp.zeros((BLOCK_K, cols), jnp.float32))  # noqa: E731
+      accs = (zeros(HALF),) + ((zeros(q_rope.shape[-1]),) if has_rope else ())
+      accs = lax.fori_loop(0, num_heads, step, accs)
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      out_main.at[1][...] = accs[0]
+      parts = [(out_main.at[1], HALF)]
+      if has_rope:
+        out_rope[...] = accs[1]
+        parts.append((out_rope, D_MAIN))
+      plgpu.commit_smem()
+      _reduce_rows(plgpu, staged.at[0], parts, dkv_ref)
+
+
+def _reduce_rows(plgpu, idx_s, parts, dkv_ref):
+  """``dkv[idx_s[r], col:col + w] += part[r]`` for each float32 SMEM ``(part[64, w], col)``
+  and each valid row ``r`` (TMA bulk reduce-adds issued by one thread)."""
+  @pl.loop(0, BLOCK_K)
+  def _(r):
+    row = idx_s[r]
+
+    @pl.when(row >= 0)
+    def _():
+      for part, col in parts:
+        plgpu.copy_smem_to_gmem(part.at[pl.ds(r, 1)],
+                                dkv_ref.at[pl.ds(row, 1), pl.ds(col, part.shape[-1])],
+                                reduction_op="add")
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
+  """float32 ``dkv[s_kv, d_qk]`` of sparse prefill (shapes and terms as
+  :func:`jax_mla.sparse_mla.triton_backward.sparse_prefill_bwd`'s; :func:`supported`)."""
+  plgpu = _mosaic.plgpu()
+  s_q, h_q, d_qk = q.shape
+  s_kv = kv.shape[0]
+  lengths = jnp.clip(lengths, 0, indices.shape[1])
+  idx = clean_indices(indices, lengths, s_kv)
+  num_blocks = idx.shape[1] // BLOCK_K
+  rope = d_qk - D_MAIN
+  vec = jnp.stack([lse * LOG2E, coef, bias], axis=1).astype(jnp.float32)  # [s_q, 3, h_q]
+  gather = gather_fn(fmt=None, num_slots=s_kv, block_size=1, row_bytes=d_qk * 2, d_qk=d_qk)
+
+  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
+  exchange = tiles(BLOCK_K, HEADS)
+  compute = (tiles(2, BLOCK_K, HALF), tiles(BLOCK_K, rope) if rope else None,
+             tiles(2, HEADS, HALF), tiles(HEADS, rope if rope else 64),  # 512: a stand-in
+             tiles(2, HEADS, HALF))
+  staging = (plgpu.SMEM((2, BLOCK_K, HALF), jnp.float32),
+             plgpu.SMEM((BLOCK_K, rope), jnp.float32) if rope else None)
+  # The swizzled tiles first: each is 1024-byte aligned.
+  smem = (plgpu.RefUnion(compute, staging), exchange, exchange,
+          plgpu.SMEM((3, HEADS), jnp.float32), plgpu.SMEM((2, BLOCK_K), jnp.int32))
+  copies = 4 + (rope > 0) + 1  # Q and dO halves, Q's RoPE, the vectors
+  barriers = (
+      plgpu.Barrier(num_arrivals=1),  # the keys gathered
+      plgpu.Barrier(num_arrivals=copies),  # a head block loaded
+      plgpu.Barrier(num_arrivals=2),  # its buffers free
+      plgpu.Barrier(num_arrivals=1),  # P^T handed over
+      plgpu.Barrier(num_arrivals=1),  # dS^T handed back
+      plgpu.Barrier(num_arrivals=2),  # both consumers done with the tiles
+  )
+  kernel = functools.partial(_kernel, plgpu=plgpu, gather=gather, num_blocks=num_blocks,
+                             h_q=h_q, scale=float(sm_scale) * LOG2E, sm_scale=float(sm_scale))
+
+  def body(refs):
+    def entry():
+      pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                    barriers, collective_axes="wg")
+
+    mesh = plgpu.Mesh(grid=(s_q * num_blocks,), grid_names=("b",), num_threads=3,
+                      thread_name="wg")
+    pl.kernel(entry, (), mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))()
+
+  operands = (q.reshape(s_q * h_q, d_qk), d_out.astype(jnp.bfloat16).reshape(s_q * h_q, D_MAIN),
+              vec, lengths, idx, kv, jnp.zeros((s_kv, d_qk), jnp.float32))
+  return pl.run_state(body)(operands)[-1]
