@@ -155,8 +155,23 @@ def test_mosaic_dkv_kernel(seed, h, d_qk):
   assert rel_err(got, want) < 1e-2
 
 
-def test_mosaic_dkv_kernel_supported_shapes():
-  """What falls back to the Triton dkv kernel."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed,h,d_qk", [(14, 64, 576), (15, 16, 512), (16, 40, 576)])
+def test_mosaic_dq_kernel(seed, h, d_qk):
+  """The Mosaic GPU dq kernel: 1-2 head blocks (40 heads: padded ones), the key cases of
+  the dkv test."""
+  s_q, s_kv, topk = 6, 300, 150
+  args, want, _ = _kernel_case(seed, s_q, h, d_qk, s_kv, topk, [150, 0, 64, 65, 1, 400])
+  assert mosaic_backward.dq_supported(args[0], 512)
+  got = mosaic_backward.sparse_prefill_dq(*args, sm_scale=SCALE)
+  assert got.shape == args[0].shape and got.dtype == jnp.bfloat16
+  assert bool(jnp.isfinite(got.astype(jnp.float32)).all())
+  assert rel_err(got, want) < 1e-2
+  np.testing.assert_array_equal(np.asarray(got[1], np.float32), 0)  # length 0
+
+
+def test_mosaic_backward_supported_shapes():
+  """What falls back to the Triton kernels."""
   q = jax.ShapeDtypeStruct
   assert mosaic_backward.supported(q((2, 64, 576), jnp.bfloat16), 512)
   assert mosaic_backward.supported(q((2, 128, 512), jnp.bfloat16), 512)
@@ -164,6 +179,8 @@ def test_mosaic_dkv_kernel_supported_shapes():
   assert not mosaic_backward.supported(q((2, 64, 576), jnp.float16), 512)
   assert not mosaic_backward.supported(q((2, 64, 576), jnp.bfloat16), 256)  # d_v
   assert not mosaic_backward.supported(q((2, 64, 640), jnp.bfloat16), 512)
+  assert mosaic_backward.dq_supported(q((2, 24, 576), jnp.bfloat16), 512)  # any h_q
+  assert not mosaic_backward.dq_supported(q((2, 64, 640), jnp.bfloat16), 512)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

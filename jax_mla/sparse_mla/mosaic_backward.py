@@ -44,11 +44,15 @@ from jax_mla.sparse_mla.mosaic_gather import (
   D_MAIN,
   HALF,
   clean_indices,
+  first_steps,
   gather_fn,
+  kernel_inputs,
+  produce,
   stage_fn,
   swizzled,
   wait_copies_fn,
 )
+from jax_mla.sparse_mla.mosaic_transposed import MIN_ROW, head_blocks
 
 HEADS = 64  # query heads per streamed block: S^T's wgmma N, the dKV products' K
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 = 3 * 168
@@ -255,3 +259,188 @@ def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sc
   operands = (q.reshape(s_q * h_q, d_qk), d_out.astype(jnp.bfloat16).reshape(s_q * h_q, D_MAIN),
               vec, lengths, idx, kv, jnp.zeros((s_kv, d_qk), jnp.float32))
   return pl.run_state(body)(operands)[-1]
+
+
+DQ_STAGES = 2  # gathered key stages of the dq kernel
+
+
+def dq_supported(q, d_v: int) -> bool:
+  """Whether :func:`sparse_prefill_dq` takes ``q[s_q, h_q, d_qk]`` (any ``h_q``)."""
+  return q.dtype == jnp.bfloat16 and d_v == D_MAIN and q.shape[2] in (D_MAIN, D_MAIN + 64)
+
+
+def _dq_kernel(len_ref, q_ref, do_ref, vec_ref, idx_ref, kv_ref, dq_ref, smem, barriers, *,
+               plgpu, gather, heads, h_pad, scale, sm_scale):
+  q_main, q_rope, do_s, kv_main, kv_rope, valid, vec_s, p_x, ds_s = smem
+  q_bar, kv_bar, free, p_ready, ds_ready, done = barriers
+  has_rope = q_rope is not None
+  t, hb = lax.axis_index("t"), lax.axis_index("h")
+  wg = lax.axis_index("wg")
+  r0 = t * h_pad + hb * heads
+  first = first_steps(len_ref, t, 1)
+  rows = pl.ds(r0, heads)
+
+  @pl.when(wg == 2)
+  def _producer():
+    _mosaic.set_registers(plgpu, PRODUCER_REGISTERS, 3)
+    q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
+    q_copies += [(do_ref.at[rows, pl.ds(h * HALF, HALF)], do_s.at[h]) for h in range(2)]
+    if has_rope:
+      q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])], q_rope))
+    q_copies.append((vec_ref.at[t * lax.axis_size("h") + hb], vec_s))
+    produce(plgpu, t=t, q_copies=q_copies, gathers=(gather,), idx_refs=(idx_ref,),
+            kv_refs=(kv_ref,), kv_main=kv_main, kv_rope=kv_rope, valid=valid,
+            barriers=(q_bar, kv_bar, free), first=first)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    _mosaic.set_registers(plgpu, CONSUMER_REGISTERS, 3)
+    col = _mosaic.col_layout(plgpu)
+    shape = (BLOCK_K, heads)
+
+    def head_vec(k):  # per head: a column vector of the [keys, heads] tiles
+      v = plgpu.load(vec_s.at[k, pl.ds(0, heads)], (), layout=col, optimized=False)
+      return lax.broadcast_in_dim(v, shape, [1])
+
+    def transposed_product(k_tiles, q_tiles):
+      def run(ref):
+        for k_tile, q_tile in zip(k_tiles, q_tiles, strict=True):
+          plgpu.wgmma(ref, k_tile, q_tile.transpose((1, 0)))
+        return ref[...]
+      return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+    def add_dq(acc, k_tile):  # dQ^T += K^T dS^T (run_state closures index with traced values)
+      def run(ref):
+        plgpu.wgmma(ref, k_tile.transpose((1, 0)), ds_s.transpose((1, 0)))
+      return pl.run_state(run)(plgpu.ACC.init(acc))
+
+    plgpu.barrier_wait(q_bar)
+    zeros = lambda n: plgpu.layout_cast(jnp.zeros((n, heads), jnp.float32),  # noqa: E731
+                                        plgpu.Layout.WGMMA)
+
+    @pl.when(wg == 0)
+    def _wg0():
+      def step(i, acc):
+        slot = lax.rem(i, DQ_STAGES)
+        plgpu.barrier_wait(kv_bar.at[slot])
+        ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
+        k_tiles = [kv_main.at[slot, 0], kv_main.at[slot, 1]] + (
+            [kv_rope.at[slot]] if has_rope else [])
+        q_tiles = [q_main.at[0], q_main.at[1]] + ([q_rope] if has_rope else [])
+        s_t = transposed_product(k_tiles, q_tiles)
+        p_t = jnp.where(lax.broadcast_in_dim(ok, shape, [0]) != 0,
+                        jnp.exp2(s_t * scale - head_vec(0)), 0.0)
+        p_x[...] = p_t.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+        plgpu.barrier_wait(ds_ready)
+        acc = add_dq(acc, kv_main.at[slot, wg])
+        plgpu.barrier_arrive(free.at[slot])
+        return acc
+
+      acc = lax.fori_loop(0, first[-1], step, zeros(HALF))
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)  # both are done with Q: its tiles stage dQ
+      _store_transposed(plgpu, q_main.at[wg], acc)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_main.at[wg], dq_ref.at[rows, pl.ds(wg * HALF, HALF)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _wg1():
+      def step(i, accs):
+        slot = lax.rem(i, DQ_STAGES)
+        plgpu.barrier_wait(kv_bar.at[slot])
+        dp_t = transposed_product([kv_main.at[slot, 0], kv_main.at[slot, 1]],
+                                  [do_s.at[0], do_s.at[1]])
+        plgpu.barrier_wait(p_ready)
+        p_t = p_x[...].astype(jnp.float32)
+        ds_t = sm_scale * p_t * (head_vec(1) * dp_t + head_vec(2))
+        _store_transposed(plgpu, ds_s, ds_t)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready)
+        main = add_dq(accs[0], kv_main.at[slot, wg])
+        rope = (add_dq(accs[1], kv_rope.at[slot]),) if has_rope else ()
+        plgpu.barrier_arrive(free.at[slot])
+        return (main, *rope)
+
+      accs = (zeros(HALF),) + ((zeros(q_rope.shape[-1]),) if has_rope else ())
+      accs = lax.fori_loop(0, first[-1], step, accs)
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      _store_transposed(plgpu, q_main.at[wg], accs[0])
+      if has_rope:
+        _store_transposed(plgpu, q_rope, accs[1])
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_main.at[wg], dq_ref.at[rows, pl.ds(wg * HALF, HALF)])
+      if has_rope:
+        plgpu.copy_smem_to_gmem(q_rope, dq_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])])
+      plgpu.wait_smem_to_gmem(0)
+
+
+def _store_transposed(plgpu, tile, x):
+  """``tile[heads, n] = x^T`` for a float32 ``x[n, heads]`` in the WGMMA layout (bf16)."""
+  tile.transpose((1, 0))[...] = plgpu.layout_cast(x.astype(jnp.bfloat16),
+                                                  plgpu.Layout.WGMMA_TRANSPOSED)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
+  """bf16 ``dq[s_q, h_q, d_qk]`` of sparse prefill (arguments as :func:`sparse_prefill_dkv`;
+  :func:`dq_supported`).
+
+  One CTA takes a token and a block of at most 32 of its heads (the transposed forward's
+  :func:`.mosaic_transposed.head_blocks`) and consumes the token's gathered key stages
+  (:func:`.mosaic_gather.produce`, two stages) with the keys on the wgmma M side:
+  warpgroup 0 computes ``S^T = K Q^T`` and ``P^T`` (handed over through SMEM),
+  warpgroup 1 ``dP^T = V dO^T`` and ``dS^T`` (handed back, transposed); each adds ``K^T
+  dS^T`` into its rows of ``dQ^T`` (0-255; 256-511 and the RoPE 64).
+  """
+  plgpu = _mosaic.plgpu()
+  s_q, h_q, d_qk = q.shape
+  blocks, heads = head_blocks(h_q)
+  h_pad = blocks * heads
+  row = max(heads, MIN_ROW)
+  gathers, lens, (idx,), (rows,) = kernel_inputs([(kv[:, None], indices, lengths)], (None,),
+                                                 d_qk)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, h_pad - h_q), (0, 0)))  # noqa: E731
+  # Per (token, head block): lse (base 2; +inf for padding heads, so p = 0), f and b.
+  vec = jnp.stack([jnp.pad(lse * LOG2E, ((0, 0), (0, h_pad - h_q)), constant_values=jnp.inf),
+                   jnp.pad(coef, ((0, 0), (0, h_pad - h_q))),
+                   jnp.pad(bias, ((0, 0), (0, h_pad - h_q)))], axis=1)
+  vec = vec.reshape(s_q, 3, blocks, heads).transpose(0, 2, 1, 3)
+  vec = jnp.pad(vec, ((0, 0), (0, 0), (0, 0), (0, row - heads))).reshape(s_q * blocks, 3, row)
+
+  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
+  rope = d_qk - D_MAIN
+  exchange = plgpu.SMEM((BLOCK_K, heads), jnp.bfloat16,
+                        transforms=(plgpu.TilingTransform((8, heads)),
+                                    plgpu.SwizzleTransform(2 * heads)))
+  smem = (tiles(2, heads, HALF), tiles(heads, rope) if rope else None, tiles(2, heads, HALF),
+          tiles(DQ_STAGES, 2, BLOCK_K, HALF), tiles(DQ_STAGES, BLOCK_K, max(rope, 64)),
+          plgpu.SMEM((DQ_STAGES + 2, BLOCK_K), jnp.int32), plgpu.SMEM((3, row), jnp.float32),
+          exchange, tiles(heads, BLOCK_K))
+  barriers = (
+      plgpu.Barrier(num_arrivals=4 + (rope > 0) + 1),  # Q, dO and the vectors loaded
+      plgpu.Barrier(num_arrivals=1, num_barriers=DQ_STAGES),  # stage gathered
+      plgpu.Barrier(num_arrivals=2, num_barriers=DQ_STAGES),  # stage free: both consumers
+      plgpu.Barrier(num_arrivals=1),  # P^T handed over
+      plgpu.Barrier(num_arrivals=1),  # dS^T handed back
+      plgpu.Barrier(num_arrivals=2),  # both consumers done with Q
+  )
+  kernel = functools.partial(_dq_kernel, plgpu=plgpu, gather=gathers[0], heads=heads,
+                             h_pad=h_pad, scale=float(sm_scale) * LOG2E,
+                             sm_scale=float(sm_scale))
+
+  def entry(*refs):
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                  barriers, collective_axes="wg")
+
+  dq = plgpu.kernel(
+      entry, **{_mosaic.out_type_kwarg(plgpu): jax.ShapeDtypeStruct((s_q * h_pad, d_qk),
+                                                                   jnp.bfloat16)},
+      grid=(s_q, blocks), grid_names=("t", "h"), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(lens, pad(q).reshape(s_q * h_pad, d_qk),
+    pad(d_out.astype(jnp.bfloat16)).reshape(s_q * h_pad, D_MAIN), vec, idx, rows)
+  return dq.reshape(s_q, h_pad, d_qk)[:, :h_q]
