@@ -142,11 +142,12 @@ def _kernel_case(seed, s_q, h, d_qk, s_kv, topk, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed,h,d_qk", [(11, 64, 576), (12, 128, 512), (13, 192, 576)])
+@pytest.mark.parametrize("seed,h,d_qk", [(11, 64, 576), (12, 128, 512), (13, 192, 576),
+                                         (17, 16, 576), (18, 72, 512)])
 def test_mosaic_dkv_kernel(seed, h, d_qk):
   """The Mosaic GPU dkv kernel: several key blocks (a partial last one), lengths of 0,
   short and past topk, invalid and duplicate indices, NaN in unnamed rows, 1-3 head
-  blocks."""
+  blocks, padded heads (16, 72)."""
   s_q, s_kv, topk = 6, 300, 150
   args, _, want = _kernel_case(seed, s_q, h, d_qk, s_kv, topk, [150, 0, 64, 65, 1, 400])
   assert mosaic_backward.supported(args[0], 512)
@@ -162,7 +163,7 @@ def test_mosaic_dq_kernel(seed, h, d_qk):
   the dkv test."""
   s_q, s_kv, topk = 6, 300, 150
   args, want, _ = _kernel_case(seed, s_q, h, d_qk, s_kv, topk, [150, 0, 64, 65, 1, 400])
-  assert mosaic_backward.dq_supported(args[0], 512)
+  assert mosaic_backward.supported(args[0], 512)
   got = mosaic_backward.sparse_prefill_dq(*args, sm_scale=SCALE)
   assert got.shape == args[0].shape and got.dtype == jnp.bfloat16
   assert bool(jnp.isfinite(got.astype(jnp.float32)).all())
@@ -173,14 +174,11 @@ def test_mosaic_dq_kernel(seed, h, d_qk):
 def test_mosaic_backward_supported_shapes():
   """What falls back to the Triton kernels."""
   q = jax.ShapeDtypeStruct
-  assert mosaic_backward.supported(q((2, 64, 576), jnp.bfloat16), 512)
-  assert mosaic_backward.supported(q((2, 128, 512), jnp.bfloat16), 512)
-  assert not mosaic_backward.supported(q((2, 32, 576), jnp.bfloat16), 512)  # heads
+  for shape in ((2, 64, 576), (2, 128, 512), (2, 24, 576), (2, 16, 512)):
+    assert mosaic_backward.supported(q(shape, jnp.bfloat16), 512)
   assert not mosaic_backward.supported(q((2, 64, 576), jnp.float16), 512)
   assert not mosaic_backward.supported(q((2, 64, 576), jnp.bfloat16), 256)  # d_v
   assert not mosaic_backward.supported(q((2, 64, 640), jnp.bfloat16), 512)
-  assert mosaic_backward.dq_supported(q((2, 24, 576), jnp.bfloat16), 512)  # any h_q
-  assert not mosaic_backward.dq_supported(q((2, 64, 640), jnp.bfloat16), 512)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -25,7 +25,8 @@ accumulators go to SMEM (over the dead key and query tiles) and each valid row i
 reduce-added into ``dkv[idx]``; invalid or masked indices (``-1`` after
 :func:`.mosaic_gather.clean_indices`) add nothing, duplicates add.
 
-Shapes: bf16, ``d_v`` 512, ``d_qk`` 576 or 512, ``h_q`` a multiple of ``HEADS``.
+Shapes: bf16, ``d_v`` 512, ``d_qk`` 576 or 512, any ``h_q`` (padded to a multiple of
+``HEADS``: the rows' reduce-adds bound the kernel, not the padded heads' products).
 """
 
 from __future__ import annotations
@@ -59,10 +60,9 @@ CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 = 3 * 168
 
 
 def supported(q, d_v: int) -> bool:
-  """Whether this kernel takes ``q[s_q, h_q, d_qk]`` (else the Triton ``dkv`` kernel)."""
-  _, h_q, d_qk = q.shape
-  return (q.dtype == jnp.bfloat16 and d_v == D_MAIN and d_qk in (D_MAIN, D_MAIN + 64)
-          and h_q % HEADS == 0)
+  """Whether the Mosaic GPU kernels take ``q[s_q, h_q, d_qk]`` (any ``h_q``; else the
+  Triton ones)."""
+  return q.dtype == jnp.bfloat16 and d_v == D_MAIN and q.shape[2] in (D_MAIN, D_MAIN + 64)
 
 
 def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem, barriers, *,
@@ -216,6 +216,12 @@ def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sc
   """float32 ``dkv[s_kv, d_qk]`` of sparse prefill (shapes and terms as
   :func:`jax_mla.sparse_mla.triton_backward.sparse_prefill_bwd`'s; :func:`supported`)."""
   plgpu = _mosaic.plgpu()
+  if q.shape[1] % HEADS:  # padding heads: zero queries, lse = +inf (p = 0), add nothing
+    pad = -q.shape[1] % HEADS
+    heads = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                      constant_values=fill)
+    q, d_out, lse, coef, bias = heads(q), heads(d_out), heads(lse, jnp.inf), heads(coef), \
+        heads(bias)
   s_q, h_q, d_qk = q.shape
   s_kv = kv.shape[0]
   lengths = jnp.clip(lengths, 0, indices.shape[1])
@@ -262,11 +268,6 @@ def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sc
 
 
 DQ_STAGES = 2  # gathered key stages of the dq kernel
-
-
-def dq_supported(q, d_v: int) -> bool:
-  """Whether :func:`sparse_prefill_dq` takes ``q[s_q, h_q, d_qk]`` (any ``h_q``)."""
-  return q.dtype == jnp.bfloat16 and d_v == D_MAIN and q.shape[2] in (D_MAIN, D_MAIN + 64)
 
 
 def _dq_kernel(len_ref, q_ref, do_ref, vec_ref, idx_ref, kv_ref, dq_ref, smem, barriers, *,
@@ -387,7 +388,7 @@ def _store_transposed(plgpu, tile, x):
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
   """bf16 ``dq[s_q, h_q, d_qk]`` of sparse prefill (arguments as :func:`sparse_prefill_dkv`;
-  :func:`dq_supported`).
+  :func:`supported`).
 
   One CTA takes a token and a block of at most 32 of its heads (the transposed forward's
   :func:`.mosaic_transposed.head_blocks`) and consumes the token's gathered key stages
