@@ -4,7 +4,7 @@
       [--configs dq_bh:dq_bk:dkv_bh:dkv_bk:w:s,...]
 
 ``run()`` checks ``jax.grad`` of the public ``sparse_mla_prefill`` (default
-implementation: the Mosaic GPU forward on Hopper, then the Triton backward kernel)
+implementation: the Mosaic GPU forward on Hopper, then the Mosaic GPU backward kernels)
 against the XLA backward on the row's first ``CHECK_TOKENS`` tokens, then times the
 backward alone (the ``jax.vjp`` function of the forward, applied to a cotangent) with
 ``harness.time_us``. FLOPs = 2.5x the forward's ``2 * s_q * h_q * topk * (d_qk + d_v)``

@@ -7,8 +7,9 @@ set in the same softmax.
 
 Modules: :mod:`.api` (the public ops), :mod:`.reference` (the jax.numpy oracle),
 :mod:`.triton` and :mod:`.mosaic` (the kernels, each with its ``Config``),
-:mod:`.backward` (the prefill backward in jax.numpy) and :mod:`.triton_backward` (its
-Triton kernels), and :mod:`.layout` (index plumbing the reference and the kernels share).
+:mod:`.backward` (the prefill backward in jax.numpy), :mod:`.triton_backward` and
+:mod:`.mosaic_backward` (its Triton and Mosaic GPU kernels), and :mod:`.layout` (index
+plumbing the reference and the kernels share).
 """
 
 from jax_mla.sparse_mla.api import sparse_mla_decode, sparse_mla_prefill

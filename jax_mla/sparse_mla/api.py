@@ -163,7 +163,8 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
     valid key (a NaN query, say) gives NaN in all three.
 
   Differentiable (``jax.grad``) in ``q``, ``kv`` and ``attn_sink`` on every
-  implementation; the backward runs in jax.numpy (docs/api.md, section 9).
+  implementation; the backward runs the implementation's backward kernels (jax.numpy
+  for ``"xla"``; docs/api.md, section 9).
   """
   check_rank("q", q, 3)
   check_dtype("q", q, jnp.bfloat16)
@@ -213,7 +214,7 @@ def _prefill_forward(statics, q, kv, indices, attn_sink, lengths):
 
 
 # Every implementation's forward; the backward from the saved out and lse: backward.py
-# (XLA) for the reference, the Triton backward kernel for the kernels.
+# (XLA) for the reference, the backward kernels for the kernels.
 _differentiable_prefill = jax.custom_vjp(_prefill_forward, nondiff_argnums=(0,))
 
 
