@@ -171,6 +171,32 @@ def test_mosaic_dq_kernel(seed, h, d_qk):
   np.testing.assert_array_equal(np.asarray(got[1], np.float32), 0)  # length 0
 
 
+def test_mosaic_dkv_batches_by_folding_the_batch_into_the_tokens():
+  """``jax.vmap`` of the dkv kernel's wrapper runs one call over the batch: indices move
+  by ``b * s_kv``, unusable ones (out of range, past the length) stay unusable, an
+  unbatched ``kv`` is shared. Checked with a scatter in the kernel's signature."""
+  from jax_mla.sparse_mla.layout import valid_slots
+
+  def scatter(q, kv, indices, lengths, w):
+    rows = jnp.where(valid_slots(indices, lengths, kv.shape[0]), indices, kv.shape[0])
+    add = jnp.broadcast_to((w + q.sum(-1))[:, None, None], (*indices.shape, kv.shape[1]))
+    out = jnp.zeros((kv.shape[0] + 1, kv.shape[1])).at[rows.reshape(-1)].add(
+        add.reshape(-1, kv.shape[1]))
+    return out[:-1] + kv
+
+  rng = np.random.default_rng(0)
+  b, s_q, s_kv, topk = 3, 4, 6, 5
+  q = jnp.asarray(rng.standard_normal((b, s_q, 2)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((s_kv, 2)), jnp.float32)
+  idx = jnp.asarray(rng.integers(-2, s_kv + 3, (b, s_q, topk)), jnp.int32)
+  lens = jnp.asarray(rng.integers(0, topk + 1, (b, s_q)), jnp.int32)
+  w = jnp.asarray(rng.standard_normal((b, s_q)), jnp.float32)
+  got = jax.vmap(mosaic_backward.fold_batch(scatter), in_axes=(0, None, 0, 0, 0))(
+      q, kv, idx, lens, w)
+  want = jnp.stack([scatter(q[i], kv, idx[i], lens[i], w[i]) for i in range(b)])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def test_mosaic_backward_supported_shapes():
   """What falls back to the Triton kernels."""
   q = jax.ShapeDtypeStruct
@@ -231,14 +257,18 @@ def test_reference_lse_gradient_matches_finite_differences():
     assert abs(fd - grad[t, h, d]) < 1e-3 + 1e-2 * abs(fd), (fd, grad[t, h, d])
 
 
-def test_grads_under_vmap():
-  """A batch of independent prefills: the VJP batches like the forward."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grads_under_vmap(impl):
+  """A batch of independent prefills sharing ``kv``: the VJP batches like the forward
+  (on a GPU, the Mosaic GPU backward kernels under vmap)."""
   q, kv, idx, lens, sink, w = _case(6)
   qs = jnp.stack([q, (q.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)])
 
-  def grad_q(q):
-    return _api_grads("xla", q, kv, idx, lens, sink, w)[0]
+  def grads(q):
+    return _api_grads(impl, q, kv, idx, lens, sink, w)[:2]
 
-  got = jax.vmap(grad_q)(qs)
+  got_dq, got_dkv = jax.vmap(grads)(qs)
   for b in range(2):
-    assert rel_err(got[b], _reference_grads(qs[b], kv, idx, lens, sink, w)[0]) < 1e-2
+    want_dq, want_dkv, _ = _reference_grads(qs[b], kv, idx, lens, sink, w)
+    assert rel_err(got_dq[b], want_dq) < 1e-2
+    assert rel_err(got_dkv[b], want_dkv) < 1e-2

@@ -1,12 +1,14 @@
-"""Pallas Mosaic GPU (Hopper) ``dkv`` kernel of the sparse MLA prefill backward.
+"""Pallas Mosaic GPU (Hopper) kernels of the sparse MLA prefill backward: ``dkv`` and ``dq``.
 
-``dK`` rows leave a sparse backward scattered: row ``idx[t, k]`` gets ``sm_scale ds^T q +
-(f p)^T dO`` from every (token, head) that picked it. The Triton kernel adds them with
-float32 atomics, one per (token, key, column), and at about 1e11 a second on an H100
-they bound it (73 ms of its 98.5 at the V3.2 shape). This kernel sums a token's heads
-in registers and then adds each gathered row with one TMA bulk reduce-add per 256
-columns (``cp.reduce.async.bulk.tensor``): measured alone at the V3.2 volume, 3.9e11
-float32 adds a second (12.4 ms for 19 GB).
+The ``dq`` kernel (:func:`sparse_prefill_dq`) is the transposed forward's machine with
+the backward's math. The ``dkv`` kernel (:func:`sparse_prefill_dkv`): ``dK`` rows leave
+a sparse backward scattered: row ``idx[t, k]`` gets ``sm_scale ds^T q + (f p)^T dO`` from
+every (token, head) that picked it. The Triton kernel adds them with float32 atomics,
+one per (token, key, column), and at about 1e11 a second on an H100 they bound it (73 ms
+of its 98.5 at the V3.2 shape). This kernel sums a token's heads in registers and then
+adds each gathered row with one TMA bulk reduce-add per 256 columns
+(``cp.reduce.async.bulk.tensor``): measured alone at the V3.2 volume, 3.9e11 float32 adds
+a second (12.4 ms for 19 GB).
 
 One CTA takes 64 of one token's keys (``idx[t, 64 j : 64 j + 64]``, gathered once into
 SMEM by the producer warpgroup with :func:`.mosaic_gather.gather_fn`) and streams the
@@ -65,8 +67,8 @@ def supported(q, d_v: int) -> bool:
   return q.dtype == jnp.bfloat16 and d_v == D_MAIN and q.shape[2] in (D_MAIN, D_MAIN + 64)
 
 
-def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem, barriers, *,
-            plgpu, gather, num_blocks, h_q, scale, sm_scale):
+def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem, barriers,
+                *, plgpu, gather, num_blocks, h_q, scale, sm_scale):
   union, p_s, ds_s, vec_s, key_rows = smem
   valid, staged = key_rows.at[pl.ds(0, 1)], key_rows.at[pl.ds(1, 1)]  # validity, index
   (k_main, k_rope, q_main, q_rope, do_s), (out_main, out_rope) = union
@@ -214,7 +216,35 @@ def _reduce_rows(plgpu, idx_s, parts, dkv_ref):
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
   """float32 ``dkv[s_kv, d_qk]`` of sparse prefill (shapes and terms as
-  :func:`jax_mla.sparse_mla.triton_backward.sparse_prefill_bwd`'s; :func:`supported`)."""
+  :func:`jax_mla.sparse_mla.triton_backward.sparse_prefill_bwd`'s; :func:`supported`).
+  Under ``jax.vmap`` one call takes the whole batch (:func:`fold_batch`)."""
+  dkv = fold_batch(functools.partial(_dkv_call, sm_scale=sm_scale))
+  return dkv(q, kv, indices, lengths, d_out, lse, coef, bias)
+
+
+def fold_batch(dkv_fn):
+  """``dkv_fn(q, kv, indices, lengths, *per_token)`` (``dkv[s_kv, d]`` from tokens
+  ``[s_q, ...]`` attending rows of ``kv[s_kv, d]``), batched under ``jax.vmap`` by one
+  call over the batch's tokens and rows laid end to end: element ``b``'s indices move
+  by ``b * s_kv`` (unusable ones stay ``-1``, never reaching another element's rows)."""
+  fn = jax.custom_batching.custom_vmap(dkv_fn)
+
+  @fn.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched, strict=True)]
+    q, kv, indices, lengths, *per_token = args
+    s_kv = kv.shape[1]
+    usable = (indices >= 0) & (indices < s_kv)
+    indices = jnp.where(usable, indices + (jnp.arange(axis_size) * s_kv)[:, None, None], -1)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    out = fn(*map(flat, (q, kv, indices, lengths, *per_token)))
+    return out.reshape(axis_size, s_kv, -1), True
+
+  return fn
+
+
+def _dkv_call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
   plgpu = _mosaic.plgpu()
   if q.shape[1] % HEADS:  # padding heads: zero queries, lse = +inf (p = 0), add nothing
     pad = -q.shape[1] % HEADS
@@ -250,7 +280,7 @@ def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sc
       plgpu.Barrier(num_arrivals=1),  # dS^T handed back
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the tiles
   )
-  kernel = functools.partial(_kernel, plgpu=plgpu, gather=gather, num_blocks=num_blocks,
+  kernel = functools.partial(_dkv_kernel, plgpu=plgpu, gather=gather, num_blocks=num_blocks,
                              h_q=h_q, scale=float(sm_scale) * LOG2E, sm_scale=float(sm_scale))
 
   def body(refs):
