@@ -1,7 +1,7 @@
 """Sparse MLA prefill backward on the GPU: gradients checked, then TFLOP/s.
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_sparse_mla_grad [--rows ROWS]
-      [--configs dq_bh:dq_bk:dkv_bh:dkv_bk:w:s,...]
+      [--kernels] [--configs dq_bh:dq_bk:dkv_bh:dkv_bk:w:s,...]
 
 ``run()`` checks ``jax.grad`` of the public ``sparse_mla_prefill`` (default
 implementation: the Mosaic GPU forward on Hopper, then the Mosaic GPU backward kernels)
@@ -10,7 +10,8 @@ backward alone (the ``jax.vjp`` function of the forward, applied to a cotangent)
 ``harness.time_us``. FLOPs = 2.5x the forward's ``2 * s_q * h_q * topk * (d_qk + d_v)``
 (issue #19's count: recomputed ``Q K^T``, ``dO V^T``, ``dQ``, ``dK``, ``dV``). The anchor
 is issue #19's fallback bar of 250 TFLOP/s; cuDNN frontend's sm90 DSA backward is not
-installed on the GPU machine. ``--configs`` times the backward kernel itself with those
+installed on the GPU machine. ``--kernels`` times the ``dq`` and ``dkv`` kernels apart,
+Mosaic GPU beside Triton. ``--configs`` times the Triton backward kernels with those
 ``triton_backward.Config`` values, in its field order (``dq_block_h:dq_block_k:
 dkv_block_h:dkv_block_k:num_warps:num_stages``).
 """
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import Row, check_close, device_name, print_table, time_us
-from jax_mla.sparse_mla import backward, sparse_mla_prefill, triton_backward
+from jax_mla.sparse_mla import backward, mosaic_backward, sparse_mla_prefill, triton_backward
 
 D_V = 512
 NUM_SETS = 3  # calls take milliseconds and their inputs overflow L2
@@ -95,17 +96,24 @@ def run(rows=ROWS, *, impl=None):
               "TFLOP/s", anchor=BAR_TFLOPS, anchor_name="issue #19 bar", device=device_name())
 
 
+def _kernel_sets(r: Shape) -> list[tuple]:
+  """``NUM_SETS`` argument tuples of the backward kernels (the forward's lse, ``f`` and
+  ``b`` from the Mosaic/Triton forward)."""
+  sets = []
+  for i in range(NUM_SETS):
+    q, kv, idx, sink, g = _inputs(r, i)
+    fwd_out, _, lse = sparse_mla_prefill(q, kv, idx, sm_scale=r.d_qk ** -0.5, attn_sink=sink)
+    f, g_out = backward.head_terms(fwd_out, lse, g, sink)
+    lengths = jnp.full((r.s_q,), r.topk, jnp.int32)
+    sets.append((q, kv, idx, lengths, g, lse, f, -f * g_out))
+  return sets
+
+
 def sweep(rows, configs) -> list[Row]:
-  """The backward kernel alone, per ``triton_backward.Config``."""
+  """The Triton backward kernels alone, per ``triton_backward.Config``."""
   out = []
   for name, r in rows.items():
-    sets = []
-    for i in range(NUM_SETS):
-      q, kv, idx, sink, g = _inputs(r, i)
-      fwd_out, _, lse = sparse_mla_prefill(q, kv, idx, sm_scale=r.d_qk ** -0.5, attn_sink=sink)
-      f, g_out = backward.head_terms(fwd_out, lse, g, sink)
-      lengths = jnp.full((r.s_q,), r.topk, jnp.int32)
-      sets.append((q, kv, idx, lengths, g, lse, f, -f * g_out))
+    sets = _kernel_sets(r)
     for config in configs:
       def bwd(*a, config=config, r=r):
         return triton_backward.sparse_prefill_bwd(*a, sm_scale=r.d_qk ** -0.5, d_v=D_V,
@@ -120,6 +128,31 @@ def sweep(rows, configs) -> list[Row]:
   return out
 
 
+def kernels(rows) -> list[Row]:
+  """The ``dq`` and ``dkv`` kernels apart, Mosaic GPU beside Triton (default Config) on
+  the same inputs, outputs compared first. The figure is TFLOP/s of the matmuls each
+  kernel issues (``dq``: S, dP, dQ; ``dkv``: S, dP, dK, dV)."""
+  out = []
+  for name, r in rows.items():
+    sets = _kernel_sets(r)
+    sm_scale = r.d_qk ** -0.5
+    flop = 2 * r.s_q * r.h_q * r.topk
+    for part, issued in (("dq", flop * (2 * r.d_qk + D_V)), ("dkv", flop * 2 * (r.d_qk + D_V))):
+      mosaic = jax.jit(functools.partial(getattr(mosaic_backward, f"sparse_prefill_{part}"),
+                                         sm_scale=sm_scale))
+      triton = jax.jit(functools.partial(getattr(triton_backward, f"sparse_prefill_{part}"),
+                                         sm_scale=sm_scale, d_v=D_V,
+                                         config=triton_backward.Config()))
+      err = check_close(f"{name} {part}", mosaic(*sets[0]), triton(*sets[0]))
+      t_us = time_us(triton, sets, reps=5)
+      m_us = time_us(mosaic, sets, reps=5)
+      out.append(Row(f"sparse_mla_prefill backward {part} kernel",
+                     f"{name} Mosaic GPU (vs Triton rel err {err:.1e})", m_us,
+                     issued / m_us / 1e6, "TFLOP/s", anchor=issued / t_us / 1e6,
+                     anchor_name="Triton kernel", device=device_name()))
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", help="comma-separated names of ROWS")
@@ -127,11 +160,15 @@ def main():
                       "(triton_backward.Config)")
   parser.add_argument("--implementation", default=None, help="the forward's (\"xla\": the XLA "
                       "backward too)")
+  parser.add_argument("--kernels", action="store_true",
+                      help="time the dq and dkv kernels apart, Mosaic GPU beside Triton")
   args = parser.parse_args()
   rows = ROWS if not args.rows else {n: ROWS[n] for n in args.rows.split(",")}
   if args.configs:
     configs = [triton_backward.Config(*map(int, c.split(":"))) for c in args.configs.split(",")]
     print_table(sweep(rows, configs))
+  elif args.kernels:
+    print_table(kernels(rows))
   else:
     print_table(list(run(rows, impl=args.implementation)))
 
