@@ -110,31 +110,11 @@ def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem,
   @pl.when(active & (wg < 2))
   def _consumer():
     _mosaic.set_registers(plgpu, CONSUMER_REGISTERS, 3)
-    col = _mosaic.col_layout(plgpu)
     wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
-
-    def head_vec(k):  # per head: a column vector of the [keys, heads] tiles
-      v = plgpu.load(vec_s.at[k], (), layout=col, optimized=False)
-      return lax.broadcast_in_dim(v, (BLOCK_K, HEADS), [1])
-
+    head_vec = lambda k: _head_vec(plgpu, vec_s.at[k], HEADS)  # noqa: E731
     plgpu.barrier_wait(kv_bar)
     ok = plgpu.load(valid.at[0], (), layout=_mosaic.row_layout(plgpu), optimized=False)
     key_ok = lax.broadcast_in_dim(ok, (BLOCK_K, HEADS), [0]) != 0
-
-    # Run_state closures index the tiles with traced values only (jax 0.11's lowering
-    # rejects a folded constant there): warpgroup w's half of the columns is ``.at[wg]``.
-    def product(acc, a, bs):
-      def run(ref):
-        for a_i, b in zip(a, bs, strict=True):
-          plgpu.wgmma(ref, a_i, b)
-      return pl.run_state(run)(plgpu.ACC.init(acc))
-
-    def transposed_product(k_tiles, q_tiles):
-      def run(ref):
-        for k_tile, q_tile in zip(k_tiles, q_tiles, strict=True):
-          plgpu.wgmma(ref, k_tile, q_tile.transpose((1, 0)))
-        return ref[...]
-      return pl.run_scoped(run, plgpu.ACC((BLOCK_K, HEADS), jnp.float32))
 
     @pl.when(wg == 0)
     def _wg0():
@@ -143,16 +123,16 @@ def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem,
         plgpu.barrier_wait(q_bar)
         k_tiles = [k_main.at[0], k_main.at[1]] + ([k_rope] if has_rope else [])
         q_tiles = [q_main.at[0], q_main.at[1]] + ([q_rope] if has_rope else [])
-        s_t = transposed_product(k_tiles, q_tiles)
+        s_t = _keys_by_heads(plgpu, k_tiles, q_tiles, HEADS)
         p_t = jnp.where(key_ok, jnp.exp2(s_t * scale - head_vec(0)), 0.0)
         p_s[...] = p_t.astype(jnp.bfloat16)
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_ready)
         fp_t = (p_t * head_vec(1)).astype(jnp.bfloat16)
-        acc = product(acc, [fp_t], [do_s.at[wg]])
+        acc = _accumulate(plgpu, acc, [(fp_t, do_s.at[wg])])
         plgpu.barrier_wait(ds_ready)
         ds_t = ds_s[...]
-        acc = product(acc, [ds_t], [q_main.at[wg]])
+        acc = _accumulate(plgpu, acc, [(ds_t, q_main.at[wg])])
         plgpu.barrier_arrive(free)
         return acc
 
@@ -169,7 +149,8 @@ def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem,
       def step(i, accs):
         del i
         plgpu.barrier_wait(q_bar)
-        dp_t = transposed_product([k_main.at[0], k_main.at[1]], [do_s.at[0], do_s.at[1]])
+        dp_t = _keys_by_heads(plgpu, [k_main.at[0], k_main.at[1]], [do_s.at[0], do_s.at[1]],
+                              HEADS)
         plgpu.barrier_wait(p_ready)
         p_t = p_s[...].astype(jnp.float32)
         ds_t = (sm_scale * p_t * (head_vec(1) * dp_t + head_vec(2))).astype(jnp.bfloat16)
@@ -177,8 +158,8 @@ def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem,
         plgpu.commit_smem()
         plgpu.barrier_arrive(ds_ready)
         fp_t = (p_t * head_vec(1)).astype(jnp.bfloat16)
-        main = product(accs[0], [ds_t, fp_t], [q_main.at[wg], do_s.at[wg]])
-        rope = (product(accs[1], [ds_t], [q_rope]),) if has_rope else ()
+        main = _accumulate(plgpu, accs[0], [(ds_t, q_main.at[wg]), (fp_t, do_s.at[wg])])
+        rope = (_accumulate(plgpu, accs[1], [(ds_t, q_rope)]),) if has_rope else ()
         plgpu.barrier_arrive(free)
         return (main, *rope)
 
@@ -194,6 +175,34 @@ def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem,
         parts.append((out_rope, D_MAIN))
       plgpu.commit_smem()
       _reduce_rows(plgpu, staged.at[0], parts, dkv_ref)
+
+
+def _head_vec(plgpu, vec, heads: int):
+  """A per-head float32 SMEM vector ``[heads]`` as the columns of a ``[64 keys, heads]``
+  tile (WGMMA layout)."""
+  v = plgpu.load(vec, (), layout=_mosaic.col_layout(plgpu), optimized=False)
+  return lax.broadcast_in_dim(v, (BLOCK_K, heads), [1])
+
+
+def _keys_by_heads(plgpu, k_tiles, q_tiles, heads: int):
+  """float32 ``[64 keys, heads] = sum_i k_tiles[i] q_tiles[i]^T`` (``S^T = K Q^T`` and
+  ``dP^T = V dO^T`` over the column tiles)."""
+  def run(ref):
+    for k_tile, q_tile in zip(k_tiles, q_tiles, strict=True):
+      plgpu.wgmma(ref, k_tile, q_tile.transpose((1, 0)))
+    return ref[...]
+  return pl.run_scoped(run, plgpu.ACC((BLOCK_K, heads), jnp.float32))
+
+
+def _accumulate(plgpu, acc, products):
+  """``acc + sum a @ b`` over ``(a, b)`` in ``products`` (wgmma; ``a`` in registers or
+  SMEM). The operands must index their tiles with traced values only: jax 0.11's
+  lowering of this ``run_state`` rejects a constant index (a Python int, a folded
+  ``lax.rem(i, 1)``), so a warpgroup's half of the columns is ``.at[wg]``."""
+  def run(ref):
+    for a, b in products:
+      plgpu.wgmma(ref, a, b)
+  return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
 def _reduce_rows(plgpu, idx_s, parts, dkv_ref):
@@ -326,24 +335,11 @@ def _dq_kernel(len_ref, q_ref, do_ref, vec_ref, idx_ref, kv_ref, dq_ref, smem, b
   @pl.when(wg < 2)
   def _consumer():
     _mosaic.set_registers(plgpu, CONSUMER_REGISTERS, 3)
-    col = _mosaic.col_layout(plgpu)
     shape = (BLOCK_K, heads)
+    head_vec = lambda k: _head_vec(plgpu, vec_s.at[k, pl.ds(0, heads)], heads)  # noqa: E731
 
-    def head_vec(k):  # per head: a column vector of the [keys, heads] tiles
-      v = plgpu.load(vec_s.at[k, pl.ds(0, heads)], (), layout=col, optimized=False)
-      return lax.broadcast_in_dim(v, shape, [1])
-
-    def transposed_product(k_tiles, q_tiles):
-      def run(ref):
-        for k_tile, q_tile in zip(k_tiles, q_tiles, strict=True):
-          plgpu.wgmma(ref, k_tile, q_tile.transpose((1, 0)))
-        return ref[...]
-      return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-    def add_dq(acc, k_tile):  # dQ^T += K^T dS^T (run_state closures index with traced values)
-      def run(ref):
-        plgpu.wgmma(ref, k_tile.transpose((1, 0)), ds_s.transpose((1, 0)))
-      return pl.run_state(run)(plgpu.ACC.init(acc))
+    def add_dq(acc, k_tile):  # dQ^T += K^T dS^T
+      return _accumulate(plgpu, acc, [(k_tile.transpose((1, 0)), ds_s.transpose((1, 0)))])
 
     plgpu.barrier_wait(q_bar)
     zeros = lambda n: plgpu.layout_cast(jnp.zeros((n, heads), jnp.float32),  # noqa: E731
@@ -358,7 +354,7 @@ def _dq_kernel(len_ref, q_ref, do_ref, vec_ref, idx_ref, kv_ref, dq_ref, smem, b
         k_tiles = [kv_main.at[slot, 0], kv_main.at[slot, 1]] + (
             [kv_rope.at[slot]] if has_rope else [])
         q_tiles = [q_main.at[0], q_main.at[1]] + ([q_rope] if has_rope else [])
-        s_t = transposed_product(k_tiles, q_tiles)
+        s_t = _keys_by_heads(plgpu, k_tiles, q_tiles, heads)
         p_t = jnp.where(lax.broadcast_in_dim(ok, shape, [0]) != 0,
                         jnp.exp2(s_t * scale - head_vec(0)), 0.0)
         p_x[...] = p_t.astype(jnp.bfloat16)
@@ -382,8 +378,8 @@ def _dq_kernel(len_ref, q_ref, do_ref, vec_ref, idx_ref, kv_ref, dq_ref, smem, b
       def step(i, accs):
         slot = lax.rem(i, DQ_STAGES)
         plgpu.barrier_wait(kv_bar.at[slot])
-        dp_t = transposed_product([kv_main.at[slot, 0], kv_main.at[slot, 1]],
-                                  [do_s.at[0], do_s.at[1]])
+        dp_t = _keys_by_heads(plgpu, [kv_main.at[slot, 0], kv_main.at[slot, 1]],
+                              [do_s.at[0], do_s.at[1]], heads)
         plgpu.barrier_wait(p_ready)
         p_t = p_x[...].astype(jnp.float32)
         ds_t = sm_scale * p_t * (head_vec(1) * dp_t + head_vec(2))
