@@ -4,6 +4,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 from jax_mla.testing import rel_err  # noqa: F401  (re-exported for the tests)
 
@@ -14,6 +15,14 @@ def has_gpu() -> bool:
     return bool(jax.devices("gpu"))
   except RuntimeError:
     return False
+
+
+def lowers_for_cuda(fn, *args):
+  """Lowers ``jax.jit(fn)`` for CUDA from ``jax.ShapeDtypeStruct`` arguments on any
+  machine: a Mosaic GPU kernel's whole lowering (layouts, shared memory, grid) runs, so
+  what would fail to compile on the GPU fails here. Needs ``absl`` (Mosaic GPU)."""
+  pytest.importorskip("absl")
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def poison_like(shape, dtype):

@@ -8,11 +8,13 @@ zero gradients.
 Tolerance: 1e-2 relative (``q`` and ``kv`` are bf16 and the gradients come back in bf16).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import has_gpu
+from helpers import has_gpu, lowers_for_cuda
 from sparse_cases import random_indices
 
 from jax_mla.sparse_mla import (
@@ -195,6 +197,22 @@ def test_mosaic_dkv_batches_by_folding_the_batch_into_the_tokens():
       q, kv, idx, lens, w)
   want = jnp.stack([scatter(q[i], kv, idx[i], lens[i], w[i]) for i in range(b)])
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("s_q,h,d_qk", [(3, 128, 576), (2, 64, 512), (3, 16, 576), (2, 40, 576),
+                                         (0, 64, 576)])
+def test_mosaic_backward_kernels_lower(s_q, h, d_qk):
+  """Both Mosaic GPU backward kernels lower for CUDA (shared memory, layouts), also under
+  vmap and with no token; runs without a GPU."""
+  s = jax.ShapeDtypeStruct
+  args = (s((s_q, h, d_qk), jnp.bfloat16), s((300, d_qk), jnp.bfloat16),
+          s((s_q, 130), jnp.int32), s((s_q,), jnp.int32), s((s_q, h, 512), jnp.bfloat16),
+          *[s((s_q, h), jnp.float32)] * 3)
+  for kernel in (mosaic_backward.sparse_prefill_dq, mosaic_backward.sparse_prefill_dkv):
+    lowers_for_cuda(functools.partial(kernel, sm_scale=SCALE), *args)
+  batched = [s((2, *a.shape), a.dtype) for a in args]
+  lowers_for_cuda(jax.vmap(functools.partial(mosaic_backward.sparse_prefill_dkv,
+                                             sm_scale=SCALE)), *batched)
 
 
 def test_mosaic_backward_supported_shapes():

@@ -9,10 +9,11 @@ transposed one (mosaic_transposed.py), with padded heads in the last block when
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import lowers_for_cuda, rel_err
 from sparse_cases import decode_inputs, random_indices
 
 from jax_mla import _mosaic
@@ -153,6 +154,20 @@ def test_default_picks_mosaic_on_hopper_for_every_head_count(h_q):
 def test_head_blocks(h_q, blocks):
   """The transposed kernel's head blocks: the fewest of at most 32, a multiple of 16."""
   assert mosaic_transposed.head_blocks(h_q) == blocks
+
+
+@pytest.mark.parametrize("s_q,h_q,d_qk", [(3, 128, 576), (3, 16, 512), (0, 64, 576),
+                                          (0, 16, 576)])
+def test_prefill_kernels_lower(s_q, h_q, d_qk):
+  """The prefill kernels (head-block and transposed) lower for CUDA, and zero tokens run
+  no kernel (an empty grid does not lower); runs without a GPU."""
+  s = jax.ShapeDtypeStruct
+  config = mosaic.default_config(None, h_q)
+  lowers_for_cuda(
+      lambda q, kv, idx, lens: mosaic.sparse_prefill(q, kv, idx, None, lens, sm_scale=0.1,
+                                                     config=config),
+      s((s_q, h_q, d_qk), jnp.bfloat16), s((100, d_qk), jnp.bfloat16),
+      s((s_q, 64), jnp.int32), s((s_q,), jnp.int32))
 
 
 def test_rejects_interpret():
