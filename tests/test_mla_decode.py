@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import has_gpu, rel_err
 
 from jax_mla.dense_decode import (
   mla_decode,
@@ -280,6 +280,19 @@ def test_ragged_kernel_matches_reference(interpret, q_lens, kv_lens, n_heads, pa
 
 
 @pytest.mark.cpu_only
+@pytest.mark.parametrize("impl", ["xla", "triton"] + (["mosaic"] if has_gpu() else []))
+@pytest.mark.parametrize("b,s_q", [(0, 1), (2, 0)])
+def test_paged_no_query_rows(impl, b, s_q):
+  """A batch of zero requests (or zero query tokens) gives empty outputs on every
+  implementation, without a kernel launch."""
+  q = jnp.zeros((b, s_q, 64, 576), jnp.bfloat16)
+  kv = jnp.zeros((4, 64, 576), jnp.bfloat16)
+  out, lse = mla_decode_paged(q, kv, jnp.zeros((b, 2), jnp.int32), jnp.zeros((b,), jnp.int32),
+                              implementation=impl, interpret=impl == "triton" and not has_gpu())
+  assert out.shape == (b, s_q, 64, 512) and out.dtype == jnp.bfloat16
+  assert lse.shape == (b, 64, s_q) and lse.dtype == jnp.float32
+
+
 def test_validation_errors():
   q = jnp.zeros((2, 16, D), jnp.bfloat16)
   cache = jnp.zeros((4, 16, D), jnp.bfloat16)

@@ -281,6 +281,32 @@ def test_nan_query_row_is_nan_on_every_path(interpret):
     assert np.isnan(out[0, 1]).all() and not np.isnan(np.delete(out, 1, axis=1)).any()
 
 
+@pytest.mark.parametrize("impl", [None, "xla", "triton"])
+def test_no_query_token(interpret, impl):
+  """Zero tokens (prefill) or zero requests / query positions (decode) give empty
+  outputs on every implementation (no kernel runs: its grid would be empty), and the
+  prefill's gradients are zeros."""
+  interp = interpret and impl == "triton"
+  kv = jnp.zeros((10, 576), jnp.bfloat16)
+  idx = jnp.zeros((0, 8), jnp.int32)
+
+  def prefill(q, kv):
+    return sparse_mla_prefill(q, kv, idx, sm_scale=0.1, implementation=impl, interpret=interp)
+
+  q = jnp.zeros((0, 16, 576), jnp.bfloat16)
+  out, ml, lse = prefill(q, kv)
+  assert out.shape == (0, 16, 512) and ml.shape == lse.shape == (0, 16)
+  dq, dkv = jax.grad(lambda q, kv: prefill(q, kv)[0].astype(jnp.float32).sum(),
+                     argnums=(0, 1))(q, kv)
+  assert dq.shape == q.shape and dkv.shape == kv.shape and not bool(dkv.astype(bool).any())
+  cache = jnp.zeros((2, 64, 576), jnp.bfloat16)
+  for b, s_q in ((0, 1), (2, 0)):
+    out, lse = sparse_mla_decode(jnp.zeros((b, s_q, 16, 576), jnp.bfloat16), cache,
+                                 jnp.zeros((b, s_q, 8), jnp.int32), kv_cache_dtype="auto",
+                                 implementation=impl, interpret=interp)
+    assert out.shape == (b, s_q, 16, 512) and lse.shape == (b, 16, s_q)
+
+
 @pytest.mark.cpu_only  # the cast is host code
 def test_integer_metadata_of_any_dtype():
   q, kv, idx, kw = _prefill_case(23, 3, 4, 512, 20, 8, sink=False, lengths=True)

@@ -156,11 +156,10 @@ def test_head_blocks(h_q, blocks):
   assert mosaic_transposed.head_blocks(h_q) == blocks
 
 
-@pytest.mark.parametrize("s_q,h_q,d_qk", [(3, 128, 576), (3, 16, 512), (0, 64, 576),
-                                          (0, 16, 576)])
-def test_prefill_kernels_lower(s_q, h_q, d_qk):
-  """The prefill kernels (head-block and transposed) lower for CUDA, and zero tokens run
-  no kernel (an empty grid does not lower); runs without a GPU."""
+@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512)])
+def test_prefill_kernels_lower(h_q, d_qk):
+  """The prefill kernels (head-block and transposed) lower for CUDA; runs without a GPU."""
+  s_q = 3
   s = jax.ShapeDtypeStruct
   config = mosaic.default_config(None, h_q)
   lowers_for_cuda(

@@ -190,6 +190,9 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
   impl = _implementation(q, implementation, interpret)
   config = _config(config, impl, None, h_q)
   _check_length_values(checks, "topk_length", topk_length, indices.shape[1])
+  if s_q == 0:  # no token: nothing to run (a kernel's grid would be empty); zero gradients
+    return (jnp.zeros((0, h_q, d_v), jnp.bfloat16), jnp.zeros((0, h_q), jnp.float32),
+            jnp.zeros((0, h_q), jnp.float32))
   return _prefill(q, kv, indices, attn_sink, topk_length, sm_scale=sm_scale, d_v=d_v, impl=impl,
                   config=config, interpret=interpret)
 
@@ -333,6 +336,8 @@ def sparse_mla_decode(q: jax.Array, kv_cache: jax.Array, indices: jax.Array, *,
   if has_extra:
     _check_length_values(checks, "extra_topk_length", extra_topk_length,
                          extra_indices.shape[-1])
+  if b * s_q == 0:  # no query token: nothing to run (a kernel's grid would be empty)
+    return jnp.zeros((b, s_q, h_q, d_v), jnp.bfloat16), jnp.zeros((b, h_q, s_q), jnp.float32)
   return _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
                  extra_topk_length, attn_sink, fmt=fmt, extra_fmt=extra_fmt, sm_scale=sm_scale,
                  d_v=d_v, impl=impl, config=config, interpret=interpret)

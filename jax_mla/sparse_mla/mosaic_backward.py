@@ -254,8 +254,6 @@ def fold_batch(dkv_fn):
 
 
 def _dkv_call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
-  if q.shape[0] == 0:  # no token: no kernel (an empty grid does not lower)
-    return jnp.zeros(kv.shape, jnp.float32)
   plgpu = _mosaic.plgpu()
   if q.shape[1] % HEADS:  # padding heads: zero queries, lse = +inf (p = 0), add nothing
     pad = -q.shape[1] % HEADS
@@ -425,8 +423,6 @@ def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sca
   warpgroup 1 ``dP^T = V dO^T`` and ``dS^T`` (handed back, transposed); each adds ``K^T
   dS^T`` into its rows of ``dQ^T`` (0-255; 256-511 and the RoPE 64).
   """
-  if q.shape[0] == 0:  # no token: no kernel (an empty grid does not lower)
-    return jnp.zeros_like(q)
   plgpu = _mosaic.plgpu()
   s_q, h_q, d_qk = q.shape
   blocks, heads = head_blocks(h_q)
