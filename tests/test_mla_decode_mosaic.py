@@ -4,11 +4,13 @@ Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
 (``@pytest.mark.gpu``); the input checks and the tail-block helper run anywhere.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import lowers_for_cuda, rel_err
 
 import jax_mla
 from jax_mla import _mosaic
@@ -73,6 +75,19 @@ def _shared_case(rng, h_q, seqlens, **kw):
   """``_case`` with s_q 1 in the shared shape; zero-length requests pad ``seqlens``."""
   seqlens = list(seqlens) + [0] * (len(EDGE_LENGTHS) - len(seqlens))
   return _case(rng, 1, h_q, seqlens, max_blocks=MAX_BLOCKS, **kw)
+
+
+@pytest.mark.parametrize("b,s_q,h_q,causal,num_kv_splits", [
+    (3, 1, 128, False, 1), (2, 2, 64, True, 3), (132, 4, 16, False, 1)])
+def test_kernel_lowers(b, s_q, h_q, causal, num_kv_splits):
+  """The kernel lowers for CUDA, with and without KV splits; runs without a GPU."""
+  s = jax.ShapeDtypeStruct
+  config = mosaic.with_defaults(None, num_kv_splits=num_kv_splits, batch=b, s_q=s_q, h_q=h_q,
+                                max_blocks=4)
+  lowers_for_cuda(functools.partial(mosaic.paged_decode, sm_scale=0.1, causal=causal,
+                                    config=config),
+                  s((b, s_q, h_q, 576), jnp.bfloat16), s((16, 64, 576), jnp.bfloat16),
+                  s((b, 4), jnp.int32), s((b,), jnp.int32))
 
 
 @pytest.mark.gpu

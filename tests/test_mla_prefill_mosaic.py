@@ -4,11 +4,13 @@ Mosaic GPU has no interpreter: the kernel tests need a Hopper GPU (``@pytest.mar
 the input checks run anywhere.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import lowers_for_cuda, rel_err
 
 from jax_mla import _mosaic
 from jax_mla.dense_prefill import mla_prefill, mosaic, triton_backward
@@ -140,6 +142,27 @@ def test_backward_kernels_match_the_triton_backward(causal, d_qk, lens_q, lens_k
     assert np.isfinite(a).all(), name
     assert rel_err(a, w) < 1e-2, (name, rel_err(a, w))
     assert (a[end:] == 0).all(), name  # rows past the sequences
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 128)])
+def test_kernels_lower(causal, d_qk, d_v):
+  """The forward, dq and dk/dv kernels lower for CUDA at their default configs (shared
+  memory, layouts, grid); runs without a GPU."""
+  s = jax.ShapeDtypeStruct
+  tq, tk, h = 200, 232, 2
+  cu = s((3,), jnp.int32)
+  q, k, v = s((tq, h, d_qk), jnp.bfloat16), s((tk, h, d_qk), jnp.bfloat16), s((tk, h, d_v),
+                                                                              jnp.bfloat16)
+  common = dict(sm_scale=0.1, causal=causal)
+  lowers_for_cuda(functools.partial(mosaic.mla_prefill_mosaic, max_seqlen_q=128,
+                                    config=mosaic.default_config(d_qk, d_v), **common),
+                  q, k, v, cu, cu)
+  lowers_for_cuda(functools.partial(mosaic.mla_prefill_bwd_mosaic, max_seqlen_q=128,
+                                    max_seqlen_k=160, config=mosaic.default_config(
+                                        d_qk, d_v, grad=True), **common),
+                  q, k, v, cu, cu, s((tq, h, d_v), jnp.bfloat16), s((tq, h), jnp.float32),
+                  s((tq, h), jnp.float32))
 
 
 def test_check_supported_and_config():
