@@ -201,6 +201,22 @@ def test_skipped_rows_are_zero(impl, interpret):  # "pallas": the old name of "t
   assert np.abs(out[2]).sum() > 0
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("tokens,out_scale", [(0, None), (3, None), (3, 0.5)])
+def test_no_sequence(impl, interpret, tokens, out_scale):
+  """An empty batch (no sequence; tokens of none with ``query_start_loc``) gives zeros of
+  the output dtype without a kernel launch."""
+  cache = jnp.zeros((4, 2, 16, 128), jnp.bfloat16)
+  out = paged_attention(
+      jnp.ones((tokens, 8, 128), jnp.bfloat16), cache, cache, jnp.zeros((0, 3), jnp.int32),
+      jnp.zeros((0,), jnp.int32), scale=0.1, out_scale=out_scale,
+      query_start_loc=jnp.zeros((1,), jnp.int32) if tokens else None,
+      implementation=impl, interpret=interpret and impl == "triton")
+  assert out.shape == (tokens, 8, 128)
+  assert out.dtype == (jnp.bfloat16 if out_scale is None else jnp.float8_e4m3fn)
+  assert not np.asarray(out, np.float32).any()
+
+
 # name: (make_case arguments, the kernel's extra arguments)
 EDGE_CASES = {
     "kv_splits": (dict(seed=4, seq_lens=[1, 150, 129], sinks=True), dict(num_kv_splits=3)),

@@ -192,6 +192,8 @@ def paged_attention(
   if checks:
     check_values(True, *block_table_checks(block_tables, seq_lens, block_size=block_size,
                                            num_blocks=nb, table_name="block_tables"))
+  if num_seqs == 0:  # no sequence: every token belongs to none (0); no kernel to run
+    return jnp.zeros((t, hq, head_dim), query.dtype if out_scale is None else jnp.float8_e4m3fn)
   config = backend_config(impl, config, triton=(triton.Config, functools.partial(
       triton.with_defaults, num_kv_splits=num_kv_splits,
       fp8_cache=jnp.dtype(key_cache.dtype).itemsize == 1, head_dim=head_dim,
