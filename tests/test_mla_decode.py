@@ -291,6 +291,9 @@ def test_paged_no_query_rows(impl, b, s_q):
                               implementation=impl, interpret=impl == "triton" and not has_gpu())
   assert out.shape == (b, s_q, 64, 512) and out.dtype == jnp.bfloat16
   assert lse.shape == (b, 64, s_q) and lse.dtype == jnp.float32
+  with pytest.raises(ValueError, match="implementation"):  # still validated when empty
+    mla_decode_paged(q, kv, jnp.zeros((b, 2), jnp.int32), jnp.zeros((b,), jnp.int32),
+                     implementation="cuda")
 
 
 def test_validation_errors():

@@ -250,9 +250,9 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
   sm_scale = D_QK**-0.5 if sm_scale is None else float(sm_scale)
   if implementation == "mosaic":
     mosaic.check_supported(q, kv_cache, causal=causal)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=q)
   if b * s_q * h_q == 0:  # no query row: nothing to run (a kernel's grid would be empty)
     return jnp.zeros((b, s_q, h_q, D_NOPE), q.dtype), jnp.zeros((b, h_q, s_q), jnp.float32)
-  impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=q)
   if implementation is None and impl == "triton" and not interpret and _mosaic.default_for(
       mosaic.check_supported, q, kv_cache, causal=causal):
     impl = "mosaic"
