@@ -238,12 +238,12 @@ def _prefill_bwd(statics, residuals, cotangents):
   # forward where they take the shape, else the Triton ones.
   f, g_out = backward.head_terms(out, lse, d_out, attn_sink)
   args = (q, kv, indices, lengths, d_out.astype(jnp.bfloat16), lse, f, d_lse - f * g_out)
-  kwargs = dict(sm_scale=sm_scale, d_v=d_v, config=triton_backward.Config(), interpret=interpret)
   if impl == "mosaic" and mosaic_backward.supported(q, d_v):
     dq = mosaic_backward.sparse_prefill_dq(*args, sm_scale=sm_scale)
     dkv = mosaic_backward.sparse_prefill_dkv(*args, sm_scale=sm_scale)
   else:
-    dq, dkv = triton_backward.sparse_prefill_bwd(*args, **kwargs)
+    dq, dkv = triton_backward.sparse_prefill_bwd(
+        *args, sm_scale=sm_scale, d_v=d_v, config=triton_backward.Config(), interpret=interpret)
   return dq, dkv.astype(kv.dtype), None, backward.sink_grad(f, g_out, attn_sink), None
 
 

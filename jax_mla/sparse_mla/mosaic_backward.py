@@ -253,21 +253,25 @@ def fold_batch(dkv_fn):
   return fn
 
 
+def _padded_heads(h_pad: int, q, d_out, lse, coef, bias):
+  """``(q, d_out bf16, vec float32 [s_q, 3, h_pad])`` with the heads padded to ``h_pad``:
+  padding heads have zero queries and ``lse = +inf`` (so ``p = 0``: they add nothing);
+  ``vec`` stacks each head's ``lse`` (base 2), ``f`` and ``b``."""
+  pad = lambda x, fill=0: jnp.pad(  # noqa: E731
+      x, [(0, 0), (0, h_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+  vec = jnp.stack([pad(lse * LOG2E, jnp.inf), pad(coef), pad(bias)], axis=1)
+  return pad(q), pad(d_out.astype(jnp.bfloat16)), vec.astype(jnp.float32)
+
+
 def _dkv_call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
   plgpu = _mosaic.plgpu()
-  if q.shape[1] % HEADS:  # padding heads: zero queries, lse = +inf (p = 0), add nothing
-    pad = -q.shape[1] % HEADS
-    heads = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
-                                      constant_values=fill)
-    q, d_out, lse, coef, bias = heads(q), heads(d_out), heads(lse, jnp.inf), heads(coef), \
-        heads(bias)
+  q, d_out, vec = _padded_heads(-(-q.shape[1] // HEADS) * HEADS, q, d_out, lse, coef, bias)
   s_q, h_q, d_qk = q.shape
   s_kv = kv.shape[0]
   lengths = jnp.clip(lengths, 0, indices.shape[1])
   idx = clean_indices(indices, lengths, s_kv)
   num_blocks = idx.shape[1] // BLOCK_K
   rope = d_qk - D_MAIN
-  vec = jnp.stack([lse * LOG2E, coef, bias], axis=1).astype(jnp.float32)  # [s_q, 3, h_q]
   gather = gather_fn(fmt=None, num_slots=s_kv, block_size=1, row_bytes=d_qk * 2, d_qk=d_qk)
 
   tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
@@ -301,8 +305,8 @@ def _dkv_call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: floa
                       thread_name="wg")
     pl.kernel(entry, (), mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))()
 
-  operands = (q.reshape(s_q * h_q, d_qk), d_out.astype(jnp.bfloat16).reshape(s_q * h_q, D_MAIN),
-              vec, lengths, idx, kv, jnp.zeros((s_kv, d_qk), jnp.float32))
+  operands = (q.reshape(s_q * h_q, d_qk), d_out.reshape(s_q * h_q, D_MAIN), vec, lengths, idx,
+              kv, jnp.zeros((s_kv, d_qk), jnp.float32))
   return pl.run_state(body)(operands)[-1]
 
 
@@ -430,11 +434,8 @@ def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sca
   row = max(heads, MIN_ROW)
   gathers, lens, (idx,), (rows,) = kernel_inputs([(kv[:, None], indices, lengths)], (None,),
                                                  d_qk)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, h_pad - h_q), (0, 0)))  # noqa: E731
-  # Per (token, head block): lse (base 2; +inf for padding heads, so p = 0), f and b.
-  vec = jnp.stack([jnp.pad(lse * LOG2E, ((0, 0), (0, h_pad - h_q)), constant_values=jnp.inf),
-                   jnp.pad(coef, ((0, 0), (0, h_pad - h_q))),
-                   jnp.pad(bias, ((0, 0), (0, h_pad - h_q)))], axis=1)
+  q, d_out, vec = _padded_heads(h_pad, q, d_out, lse, coef, bias)
+  # Per (token, head block): the block's [3, heads] vectors, rows padded to `row`.
   vec = vec.reshape(s_q, 3, blocks, heads).transpose(0, 2, 1, 3)
   vec = jnp.pad(vec, ((0, 0), (0, 0), (0, 0), (0, row - heads))).reshape(s_q * blocks, 3, row)
 
@@ -468,6 +469,5 @@ def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_sca
                                                                    jnp.bfloat16)},
       grid=(s_q, blocks), grid_names=("t", "h"), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lens, pad(q).reshape(s_q * h_pad, d_qk),
-    pad(d_out.astype(jnp.bfloat16)).reshape(s_q * h_pad, D_MAIN), vec, idx, rows)
+  )(lens, q.reshape(s_q * h_pad, d_qk), d_out.reshape(s_q * h_pad, D_MAIN), vec, idx, rows)
   return dq.reshape(s_q, h_pad, d_qk)[:, :h_q]
