@@ -8,12 +8,14 @@ implementation: the Mosaic GPU forward on Hopper, then the Mosaic GPU backward k
 against the XLA backward on the row's first ``CHECK_TOKENS`` tokens, then times the
 backward alone (the ``jax.vjp`` function of the forward, applied to a cotangent) with
 ``harness.time_us``. FLOPs = 2.5x the forward's ``2 * s_q * h_q * topk * (d_qk + d_v)``
-(issue #19's count: recomputed ``Q K^T``, ``dO V^T``, ``dQ``, ``dK``, ``dV``). The anchor
-is issue #19's fallback bar of 250 TFLOP/s; cuDNN frontend's sm90 DSA backward is not
-installed on the GPU machine. ``--kernels`` times the ``dq`` and ``dkv`` kernels apart,
-Mosaic GPU beside Triton. ``--configs`` times the Triton backward kernels with those
-``triton_backward.Config`` values, in its field order (``dq_block_h:dq_block_k:
-dkv_block_h:dkv_block_k:num_warps:num_stages``).
+(issue #19's count: recomputed ``Q K^T``, ``dO V^T``, ``dQ``, ``dK``, ``dV``). Where cuDNN
+frontend's DSA backward imports (``benchmarks/cudnn_peer.py``), each row is instead
+timed side by side with it (``harness.time_calls_us``, both backwards from our forward's
+``out`` and ``lse``, gradients compared first) and cuDNN is the anchor; else the anchor
+is issue #19's fallback bar of 250 TFLOP/s. ``--kernels`` times the ``dq`` and ``dkv``
+kernels apart, Mosaic GPU beside Triton. ``--configs`` times the Triton backward kernels
+with those ``triton_backward.Config`` values, in its field order (``dq_block_h:
+dq_block_k:dkv_block_h:dkv_block_k:num_warps:num_stages``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import Row, check_close, device_name, print_table, time_us
+from benchmarks import cudnn_peer
+from benchmarks.harness import (
+  Row,
+  check_close,
+  device_name,
+  print_table,
+  sync_jax,
+  sync_torch,
+  time_calls_us,
+  time_us,
+)
 from jax_mla.sparse_mla import backward, mosaic_backward, sparse_mla_prefill, triton_backward
 
 D_V = 512
@@ -82,18 +94,48 @@ def check(r: Shape, impl=None) -> float:
              for name, a, b in zip(("dq", "dkv", "dsink"), grads, want, strict=True))
 
 
+def _side_by_side(r: Shape, impl, dsa) -> tuple[float, float, float]:
+  """Our backward and cuDNN's on the same ``NUM_SETS`` input sets (each from our
+  forward's ``out`` and ``lse``): gradients compared on the first set, then both timed
+  by ``time_calls_us``. Returns (our us, cuDNN us, largest rel. error)."""
+  from torch_bridge import to_jax
+
+  sm_scale = r.d_qk ** -0.5
+  vjp = jax.jit(functools.partial(_vjp, r, impl))
+  apply = jax.jit(lambda f, g: f(g))
+  ours, theirs = [], []
+  for i in range(NUM_SETS):
+    q, kv, idx, sink, g = _inputs(r, i)
+    out, _, lse = sparse_mla_prefill(q, kv, idx, sm_scale=sm_scale, attn_sink=sink,
+                                     implementation=impl)
+    ours.append(functools.partial(apply, vjp(q, kv, idx, sink)[1], g))
+    theirs.append(cudnn_peer.sparse_backward(dsa, q, kv, idx, out, lse, g, sink, sm_scale))
+  got, peer = ours[0](), [to_jax(t) for t in theirs[0]()]
+  err = max(check_close(f"ours vs cuDNN {name}", a, b)
+            for name, a, b in zip(("dq", "dkv", "dsink"), got, peer, strict=True))
+  return time_calls_us(ours, sync_jax), time_calls_us(theirs, sync_torch), err
+
+
 def run(rows=ROWS, *, impl=None):
+  dsa = cudnn_peer.load()
   for name, r in rows.items():
     err = check(r, impl)
+    if dsa is not None:
+      us, peer_us, peer_err = _side_by_side(r, impl, dsa)
+      yield Row("sparse_mla_prefill backward",
+                f"{name} (grad rel err {err:.1e}, vs cuDNN {peer_err:.1e})", us,
+                _flop(r) / us / 1e6, "TFLOP/s", anchor=_flop(r) / peer_us / 1e6,
+                anchor_name=cudnn_peer.NAME, device=device_name())
+      continue
     vjp = jax.jit(functools.partial(_vjp, r, impl))
     sets = []
     for i in range(NUM_SETS):
       q, kv, idx, sink, g = _inputs(r, i)
       sets.append((vjp(q, kv, idx, sink)[1], g))
     us = time_us(lambda f, g: f(g), sets, reps=10)
-    tflops = _flop(r) / us / 1e6
-    yield Row("sparse_mla_prefill backward", f"{name} (grad rel err {err:.1e})", us, tflops,
-              "TFLOP/s", anchor=BAR_TFLOPS, anchor_name="issue #19 bar", device=device_name())
+    yield Row("sparse_mla_prefill backward", f"{name} (grad rel err {err:.1e})", us,
+              _flop(r) / us / 1e6, "TFLOP/s", anchor=BAR_TFLOPS,
+              anchor_name="issue #19 bar", device=device_name())
 
 
 def _kernel_sets(r: Shape) -> list[tuple]:
