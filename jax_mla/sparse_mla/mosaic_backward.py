@@ -9,7 +9,9 @@ of its 98.5 at the V3.2 shape). This kernel sums a token's heads in registers an
 adds each gathered row straight from them with vector reds (``red.global.add.v4.f32``,
 16 bytes a lane, L2 ``evict_last``): 25.2 ms at V3.2, against 28.0 with the earlier SMEM
 staging and TMA bulk reduce-adds (``cp.reduce.async.bulk``), which held the CTA's SMEM
-until the reduce had read it.
+until the reduce had read it. The adds still cost 9.1 ms of the 25.1 (16.0 with them
+predicated off): a CTA's warps hold the SM until they have issued all of them, so they
+overlap little of the next CTA's work.
 
 One CTA takes 64 of one token's keys (``idx[t, 64 j : 64 j + 64]``, gathered once into
 SMEM by the producer warpgroup with :func:`.mosaic_gather.gather_fn`) and streams the
