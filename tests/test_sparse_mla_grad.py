@@ -118,9 +118,10 @@ def test_kernel_head_blocks_and_key_steps(seed, interpret):
   np.testing.assert_array_equal(np.asarray(dq[1], np.float32), 0)  # length 0
 
 
-def _kernel_case(seed, s_q, h, d_qk, s_kv, topk, lens):
+def _kernel_case(seed, s_q, h, d_qk, s_kv, topk, lens, sink=False):
   """Random inputs of the backward kernels with invalid indices of every kind, NaN in the
-  unnamed rows of ``kv`` and ``lens`` clipped to ``topk``; returns ``(args, want_dq,
+  unnamed rows of ``kv`` and ``lens`` clipped to ``topk`` (with ``sink``, a finite
+  attention sink per head, so the sink factor ``f`` is not 1); returns ``(args, want_dq,
   want_dkv)`` (the XLA backward's)."""
   rng = np.random.default_rng(seed)
   k = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -134,49 +135,41 @@ def _kernel_case(seed, s_q, h, d_qk, s_kv, topk, lens):
   rows[~named] = np.nan
   kv, idx = jnp.asarray(rows, jnp.bfloat16), jnp.asarray(idx)
   lens = jnp.asarray(lens, jnp.int32)
-  out, _, lse = reference.sparse_prefill(q, kv, idx, None, lens, sm_scale=SCALE, d_v=512)
+  attn_sink = jnp.asarray(rng.standard_normal(h), jnp.float32) if sink else None
+  out, _, lse = reference.sparse_prefill(q, kv, idx, attn_sink, lens, sm_scale=SCALE, d_v=512)
   g = jax.random.normal(k[1], out.shape).astype(jnp.bfloat16)
   c = jax.random.normal(k[2], lse.shape)
-  f, g_out = backward.head_terms(out, lse, g, None)
+  f, g_out = backward.head_terms(out, lse, g, attn_sink)
   want_dq, want_dkv, _ = backward.sparse_prefill_bwd(
-      q, kv, idx, None, lens, out, lse, g, c, sm_scale=SCALE, d_v=512)
+      q, kv, idx, attn_sink, lens, out, lse, g, c, sm_scale=SCALE, d_v=512)
   return (q, kv, idx, lens, g, lse, f, c - f * g_out), want_dq, want_dkv
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed,h,d_qk", [(11, 64, 576), (12, 128, 512), (13, 192, 576),
-                                         (17, 16, 576), (18, 72, 512)])
-def test_mosaic_dkv_kernel(seed, h, d_qk):
-  """The Mosaic GPU dkv kernel: several key blocks (a partial last one), lengths of 0,
-  short and past topk, invalid and duplicate indices, NaN in unnamed rows, 1-3 head
-  blocks, padded heads (16, 72)."""
+@pytest.mark.parametrize("seed,h,d_qk,sink", [(11, 64, 576, False), (12, 128, 512, True),
+                                              (13, 192, 576, True), (17, 16, 576, False),
+                                              (18, 72, 512, True), (16, 40, 576, True)])
+def test_mosaic_backward_kernel(seed, h, d_qk, sink):
+  """The Mosaic GPU backward kernel: several key blocks (a partial last one), lengths of
+  0, short and past topk, invalid and duplicate indices, NaN in unnamed rows, 1-3 head
+  blocks, padded heads (16, 40, 72), sinks."""
   s_q, s_kv, topk = 6, 300, 150
-  args, _, want = _kernel_case(seed, s_q, h, d_qk, s_kv, topk, [150, 0, 64, 65, 1, 400])
+  args, want_dq, want_dkv = _kernel_case(seed, s_q, h, d_qk, s_kv, topk,
+                                         [150, 0, 64, 65, 1, 400], sink)
   assert mosaic_backward.supported(args[0], 512)
-  got = mosaic_backward.sparse_prefill_dkv(*args, sm_scale=SCALE)
-  assert got.dtype == jnp.float32 and bool(jnp.isfinite(got).all())
-  assert rel_err(got, want) < 1e-2
+  dq, dkv = mosaic_backward.sparse_prefill_bwd(*args, sm_scale=SCALE)
+  assert dq.shape == args[0].shape and dq.dtype == jnp.bfloat16
+  assert dkv.shape == args[1].shape and dkv.dtype == jnp.float32
+  assert bool(jnp.isfinite(dq.astype(jnp.float32)).all()) and bool(jnp.isfinite(dkv).all())
+  assert rel_err(dq, want_dq) < 1e-2 and rel_err(dkv, want_dkv) < 1e-2
+  np.testing.assert_array_equal(np.asarray(dq[1], np.float32), 0)  # length 0
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed,h,d_qk", [(14, 64, 576), (15, 16, 512), (16, 40, 576)])
-def test_mosaic_dq_kernel(seed, h, d_qk):
-  """The Mosaic GPU dq kernel: 1-2 head blocks (40 heads: padded ones), the key cases of
-  the dkv test."""
-  s_q, s_kv, topk = 6, 300, 150
-  args, want, _ = _kernel_case(seed, s_q, h, d_qk, s_kv, topk, [150, 0, 64, 65, 1, 400])
-  assert mosaic_backward.supported(args[0], 512)
-  got = mosaic_backward.sparse_prefill_dq(*args, sm_scale=SCALE)
-  assert got.shape == args[0].shape and got.dtype == jnp.bfloat16
-  assert bool(jnp.isfinite(got.astype(jnp.float32)).all())
-  assert rel_err(got, want) < 1e-2
-  np.testing.assert_array_equal(np.asarray(got[1], np.float32), 0)  # length 0
-
-
-def test_mosaic_dkv_batches_by_folding_the_batch_into_the_tokens():
-  """``jax.vmap`` of the dkv kernel's wrapper runs one call over the batch: indices move
-  by ``b * s_kv``, unusable ones (out of range, past the length) stay unusable, an
-  unbatched ``kv`` is shared. Checked with a scatter in the kernel's signature."""
+def test_mosaic_backward_batches_by_folding_the_batch_into_the_tokens():
+  """``jax.vmap`` of the kernel's wrapper runs one call over the batch: indices move by
+  ``b * s_kv``, unusable ones (out of range, past the length) stay unusable, an unbatched
+  ``kv`` is shared, the per-token output comes back per element. Checked with a scatter
+  in the kernel's signature."""
   from jax_mla.sparse_mla.layout import valid_slots
 
   def scatter(q, kv, indices, lengths, w):
@@ -184,7 +177,7 @@ def test_mosaic_dkv_batches_by_folding_the_batch_into_the_tokens():
     add = jnp.broadcast_to((w + q.sum(-1))[:, None, None], (*indices.shape, kv.shape[1]))
     out = jnp.zeros((kv.shape[0] + 1, kv.shape[1])).at[rows.reshape(-1)].add(
         add.reshape(-1, kv.shape[1]))
-    return out[:-1] + kv
+    return q * w[:, None], out[:-1] + kv
 
   rng = np.random.default_rng(0)
   b, s_q, s_kv, topk = 3, 4, 6, 5
@@ -195,23 +188,23 @@ def test_mosaic_dkv_batches_by_folding_the_batch_into_the_tokens():
   w = jnp.asarray(rng.standard_normal((b, s_q)), jnp.float32)
   got = jax.vmap(mosaic_backward.fold_batch(scatter), in_axes=(0, None, 0, 0, 0))(
       q, kv, idx, lens, w)
-  want = jnp.stack([scatter(q[i], kv, idx[i], lens[i], w[i]) for i in range(b)])
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  for i, part in enumerate(("per token", "dkv")):
+    want = jnp.stack([scatter(q[j], kv, idx[j], lens[j], w[j])[i] for j in range(b)])
+    np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=1e-6, atol=1e-6,
+                               err_msg=part)
 
 
 @pytest.mark.parametrize("s_q,h,d_qk", [(3, 128, 576), (2, 64, 512), (3, 16, 576), (2, 40, 576)])
-def test_mosaic_backward_kernels_lower(s_q, h, d_qk):
-  """Both Mosaic GPU backward kernels lower for CUDA (shared memory, layouts), also under
+def test_mosaic_backward_kernel_lowers(s_q, h, d_qk):
+  """The Mosaic GPU backward kernel lowers for CUDA (shared memory, layouts), also under
   vmap; runs without a GPU."""
   s = jax.ShapeDtypeStruct
   args = (s((s_q, h, d_qk), jnp.bfloat16), s((300, d_qk), jnp.bfloat16),
           s((s_q, 130), jnp.int32), s((s_q,), jnp.int32), s((s_q, h, 512), jnp.bfloat16),
           *[s((s_q, h), jnp.float32)] * 3)
-  for kernel in (mosaic_backward.sparse_prefill_dq, mosaic_backward.sparse_prefill_dkv):
-    lowers_for_cuda(functools.partial(kernel, sm_scale=SCALE), *args)
-  batched = [s((2, *a.shape), a.dtype) for a in args]
-  lowers_for_cuda(jax.vmap(functools.partial(mosaic_backward.sparse_prefill_dkv,
-                                             sm_scale=SCALE)), *batched)
+  kernel = functools.partial(mosaic_backward.sparse_prefill_bwd, sm_scale=SCALE)
+  lowers_for_cuda(kernel, *args)
+  lowers_for_cuda(jax.vmap(kernel), *[s((2, *a.shape), a.dtype) for a in args])
 
 
 def test_mosaic_backward_supported_shapes():

@@ -234,13 +234,12 @@ def _prefill_bwd(statics, residuals, cotangents):
     dq, dkv, dsink = backward.sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse,
                                                  d_out, d_lse, sm_scale=sm_scale, d_v=d_v)
     return dq, dkv, None, dsink, None
-  # Triton and Mosaic GPU forwards: the Mosaic GPU backward kernels behind a Mosaic GPU
-  # forward where they take the shape, else the Triton ones.
+  # Triton and Mosaic GPU forwards: the Mosaic GPU backward kernel behind a Mosaic GPU
+  # forward where it takes the shape, else the Triton ones.
   f, g_out = backward.head_terms(out, lse, d_out, attn_sink)
   args = (q, kv, indices, lengths, d_out.astype(jnp.bfloat16), lse, f, d_lse - f * g_out)
   if impl == "mosaic" and mosaic_backward.supported(q, d_v):
-    dq = mosaic_backward.sparse_prefill_dq(*args, sm_scale=sm_scale)
-    dkv = mosaic_backward.sparse_prefill_dkv(*args, sm_scale=sm_scale)
+    dq, dkv = mosaic_backward.sparse_prefill_bwd(*args, sm_scale=sm_scale)
   else:
     dq, dkv = triton_backward.sparse_prefill_bwd(
         *args, sm_scale=sm_scale, d_v=d_v, config=triton_backward.Config(), interpret=interpret)

@@ -1,38 +1,31 @@
-"""Pallas Mosaic GPU (Hopper) kernels of the sparse MLA prefill backward: ``dkv`` and ``dq``.
+"""Pallas Mosaic GPU (Hopper) kernel of the sparse MLA prefill backward: ``dq`` and ``dkv``.
 
-The ``dq`` kernel (:func:`sparse_prefill_dq`) is the transposed forward's machine with
-the backward's math. The ``dkv`` kernel (:func:`sparse_prefill_dkv`): ``dK`` rows leave
-a sparse backward scattered: row ``idx[t, k]`` gets ``sm_scale ds^T q + (f p)^T dO`` from
-every (token, head) that picked it. The Triton kernel adds them with float32 atomics,
-one per (token, key, column), and at about 1e11 a second on an H100 they bound it (73 ms
-of its 98.5 at the V3.2 shape). This kernel sums a token's heads in registers and then
-adds each gathered row straight from them with vector reds (``red.global.add.v4.f32``,
-16 bytes a lane, L2 ``evict_last``): 25.2 ms at V3.2, against 28.0 with the earlier SMEM
-staging and TMA bulk reduce-adds (``cp.reduce.async.bulk``), which held the CTA's SMEM
-until the reduce had read it. The adds still cost 9.1 ms of the 25.1 (16.0 with them
-predicated off): a CTA's warps hold the SM until they have issued all of them, so they
-overlap little of the next CTA's work.
+``dK`` rows leave a sparse backward scattered: row ``idx[t, k]`` gets ``sm_scale ds^T q +
+(f p)^T dO`` from every (token, head) that picked it. The Triton kernel adds them with
+float32 atomics, one per (token, key, column), and at about 1e11 a second on an H100 they
+bound it (73 ms of its 98.5 at the V3.2 shape). This kernel (:func:`sparse_prefill_bwd`)
+computes ``S`` and ``dP`` once per (token, head, key) for both gradients, and adds each
+64-key block's ``dKV`` rows from registers with vector reds inside its key loop, where
+the tensor cores hide them (cuDNN frontend's sm90 DSA backward does the same).
 
-One CTA takes 64 of one token's keys (``idx[t, 64 j : 64 j + 64]``, gathered once into
-SMEM by the producer warpgroup with :func:`.mosaic_gather.gather_fn`) and streams the
-token's heads, ``HEADS`` at a time (``Q``, ``dO`` and the heads' LSE, ``f`` and ``b``;
-one buffer: with the keys, 64-head blocks of ``Q`` and ``dO`` fill the SMEM). The keys
-sit on the wgmma M side (``S^T = K Q^T``, 64 x ``HEADS``), and the two consumer
-warpgroups split each block's work evenly:
+One CTA takes a token and 64 of its heads: ``Q`` and ``dO' = f dO`` (the sink factor
+folded in, so ``dP' = f dP`` and ``dV = P^T dO'``) and the heads' LSE and ``b`` are
+loaded once; the producer warpgroup gathers the token's 64-key blocks into one K buffer
+(:func:`.mosaic_gather.gather_fn`). Per block:
 
-- warpgroup 0: ``S^T``, ``P^T = exp2(S^T - lse)`` (masked by the keys' validity) handed
-  over through SMEM, then ``dKV[:, :256] += (f P^T) dO[:, :256] + dS^T Q[:, :256]``;
-- warpgroup 1: ``dP^T = V dO^T``, ``dS^T = sm_scale P^T (f dP^T + b)`` handed back,
-  then ``dKV[:, 256:] += dS^T Q[:, 256:] + (f P^T) dO[:, 256:512]``.
+- warpgroup 0: ``S = Q K^T``, ``dP' = dO' V^T``, ``P`` (masked by the keys' validity)
+  and ``dS = sm_scale P (dP' + b)``, both handed over through SMEM, then ``dQ[:, :256]
+  += dS K`` with ``dS`` from registers;
+- warpgroup 1: ``dQ[:, 256:] += dS K``, which frees the K buffer for the next gather,
+  then ``dKV`` 128 columns at a time (``dS^T Q + P^T dO'``, the RoPE 64 last), each
+  chunk added at once (:func:`_add_rows`), while warpgroup 0 computes the next block.
 
-``P^T`` and ``dS^T`` enter the ``dKV`` products from registers. At the end each
-warpgroup adds its float32 accumulators into ``dkv[idx]`` (:func:`_add_rows`); invalid
-or masked indices (``-1`` after :func:`.mosaic_gather.clean_indices`) add nothing,
-duplicates add.
+Each (token, 64-head block) adds its own rows, so at ``h_q`` 128 a key row gets two adds
+per token (38.6 GB of float32 adds at the V3.2 shape, as cuDNN's); the adds, not the
+products, set the pace. Invalid or masked indices (``-1`` after
+:func:`.mosaic_gather.clean_indices`) add nothing, duplicates add.
 
-Shapes: bf16, ``d_v`` 512, ``d_qk`` 576 or 512, any ``h_q`` (padded to a multiple of
-``HEADS``; at ``h_q`` 16, padded to 64, the kernel takes 18.9 ms at the V3.2 shape
-against 25.2 at 128 heads: half the products, the same row adds).
+Shapes: bf16, ``d_v`` 512, ``d_qk`` 576 or 512, any ``h_q`` (padded to a multiple of 64).
 """
 
 from __future__ import annotations
@@ -47,144 +40,156 @@ from jax.experimental import pallas as pl
 from jax_mla import _mosaic
 from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
-  BLOCK_K,
-  D_MAIN,
-  HALF,
-  clean_indices,
-  first_steps,
-  gather_fn,
-  kernel_inputs,
-  produce,
-  stage_fn,
-  swizzled,
-  wait_copies_fn,
-)
-from jax_mla.sparse_mla.mosaic_transposed import MIN_ROW, head_blocks
+  BLOCK_K, D_MAIN, HALF, clean_indices, gather_fn, stage_fn, swizzled, wait_copies_fn)
 
-HEADS = 64  # query heads per streamed block: S^T's wgmma N, the dKV products' K
+HEADS = 64  # query heads per CTA: the wgmma M of S, dP and dQ
+DKV_CHUNK = 128  # dKV columns per product and add
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 = 3 * 168
 
 
 def supported(q, d_v: int) -> bool:
-  """Whether the Mosaic GPU kernels take ``q[s_q, h_q, d_qk]`` (any ``h_q``; else the
+  """Whether the Mosaic GPU kernel takes ``q[s_q, h_q, d_qk]`` (any ``h_q``; else the
   Triton ones)."""
   return q.dtype == jnp.bfloat16 and d_v == D_MAIN and q.shape[2] in (D_MAIN, D_MAIN + 64)
 
 
-def _dkv_kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dkv_ref, smem, barriers,
-                *, plgpu, gather, num_blocks, h_q, scale, sm_scale):
-  (k_main, k_rope, q_main, q_rope, do_s), p_s, ds_s, vec_s, key_rows = smem
-  valid, staged = key_rows.at[pl.ds(0, 1)], key_rows.at[pl.ds(1, 1)]  # validity, index
-  kv_bar, q_bar, free, p_ready, ds_ready = barriers
-  has_rope = k_rope is not None
-  pid = lax.axis_index("b")
-  t, j = lax.div(pid, num_blocks), lax.rem(pid, num_blocks)
+def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dq_ref, dkv_ref, smem, barriers,
+            *, plgpu, gather, h_pad, scale, sm_scale):
+  (q_main, q_rope, do_s, k_main, k_rope), p_s, ds_s, vec_s, key_rows = smem
+  q_bar, kv_bar, k_free, pds_ready, pds_free, done = barriers
+  has_rope = q_rope is not None
+  t, hb = lax.axis_index("t"), lax.axis_index("h")
   wg = lax.axis_index("wg")
-  num_heads = h_q // HEADS
-  active = j * BLOCK_K < len_ref[t]  # a block past the token's keys adds nothing
+  rows = pl.ds(t * h_pad + hb * HEADS, HEADS)
+  steps = lax.div(len_ref[t] + BLOCK_K - 1, BLOCK_K)
 
-  @pl.when(active & (wg == 2))
+  @pl.when(wg == 2)
   def _producer():
     _mosaic.set_registers(plgpu, PRODUCER_REGISTERS, 3)
-    idx_block = idx_ref.at[t, pl.ds(j * BLOCK_K, BLOCK_K)]
+    for h in range(2):
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h], q_bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[rows, pl.ds(h * HALF, HALF)], do_s.at[h], q_bar)
+    if has_rope:
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])], q_rope, q_bar)
+    plgpu.copy_gmem_to_smem(vec_ref.at[t, :, pl.ds(hb * HEADS, HEADS)], vec_s, q_bar)
     stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(stage_fn)
-    stage(idx_block, staged.at[0])
     swizzled_ref = plgpu.RefType(swizzled(plgpu))
-    plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref)
-                      + (plgpu.RefType(),) * 3)(gather)(
-        idx_block, kv_ref, k_main, k_rope if has_rope else q_rope, valid.at[0],
-        staged.at[0], staged.at[0])  # no next block: restages the same indices
-    plgpu.inline_mgpu()(wait_copies_fn)()
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(kv_bar)
+    gather_call = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref)
+        + (plgpu.RefType(),) * 3)(gather)
 
-    @pl.loop(0, num_heads)
+    @pl.loop(0, steps)
     def _(i):
-      pl.when(i > 0)(lambda: plgpu.barrier_wait(free))
-      rows = pl.ds(t * h_q + i * HEADS, HEADS)
-      for h in range(2):
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h], q_bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[rows, pl.ds(h * HALF, HALF)], do_s.at[h], q_bar)
-      if has_rope:
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])], q_rope,
-                                q_bar)
-      plgpu.copy_gmem_to_smem(vec_ref.at[t, :, pl.ds(i * HEADS, HEADS)], vec_s, q_bar)
+      slot = lax.rem(i, 2)
+      pl.when(i > 0)(lambda: plgpu.barrier_wait(k_free))
+      idx_block = idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
+      staged = key_rows.at[slot, 1]
+      stage(idx_block, staged)
+      gather_call(idx_block, kv_ref, k_main, k_rope,
+                  key_rows.at[slot, 0], staged, staged)
+      plgpu.inline_mgpu()(wait_copies_fn)()
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(kv_bar)
 
-  @pl.when(active & (wg < 2))
+  @pl.when(wg < 2)
   def _consumer():
     _mosaic.set_registers(plgpu, CONSUMER_REGISTERS, 3)
     wgmma_layout = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
-    head_vec = lambda k: _head_vec(plgpu, vec_s.at[k], HEADS)  # noqa: E731
-    plgpu.barrier_wait(kv_bar)
-    ok = plgpu.load(valid.at[0], (), layout=_mosaic.row_layout(plgpu), optimized=False)
-    key_ok = lax.broadcast_in_dim(ok, (BLOCK_K, HEADS), [0]) != 0
+    zeros = lambda n: wgmma_layout(jnp.zeros((HEADS, n), jnp.float32))  # noqa: E731
+
+    def head_vec(k):  # per-head vector as the rows of a [heads, keys] tile
+      v = plgpu.load(vec_s.at[k], (), layout=_mosaic.row_layout(plgpu), optimized=False)
+      return lax.broadcast_in_dim(v, (HEADS, BLOCK_K), [0])
+
+    plgpu.barrier_wait(q_bar)
 
     @pl.when(wg == 0)
     def _wg0():
       def step(i, acc):
-        del i
-        plgpu.barrier_wait(q_bar)
-        k_tiles = [k_main.at[0], k_main.at[1]] + ([k_rope] if has_rope else [])
+        slot = lax.rem(i, 2)
+        plgpu.barrier_wait(kv_bar)
+        ok = plgpu.load(key_rows.at[slot, 0], (), layout=_mosaic.col_layout(plgpu),
+                        optimized=False)
+        key_ok = lax.broadcast_in_dim(ok, (HEADS, BLOCK_K), [1]) != 0
         q_tiles = [q_main.at[0], q_main.at[1]] + ([q_rope] if has_rope else [])
-        s_t = _keys_by_heads(plgpu, k_tiles, q_tiles, HEADS)
-        p_t = jnp.where(key_ok, jnp.exp2(s_t * scale - head_vec(0)), 0.0)
-        p_s[...] = p_t.astype(jnp.bfloat16)
+        k_tiles = [k_main.at[0], k_main.at[1]] + ([k_rope] if has_rope else [])
+
+        def products(s_ref, dp_ref):
+          for a, b in zip(q_tiles, k_tiles):
+            plgpu.wgmma(s_ref, a, b.transpose((1, 0)))
+          for h in range(2):
+            plgpu.wgmma(dp_ref, do_s.at[h], k_main.at[h].transpose((1, 0)))
+          return s_ref[...], dp_ref[...]
+
+        s, dp = pl.run_scoped(products, plgpu.ACC((HEADS, BLOCK_K), jnp.float32),
+                              plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
+        p = jnp.where(key_ok, jnp.exp2(s * scale - head_vec(0)), 0.0)
+        ds = (sm_scale * p * (dp + head_vec(1))).astype(jnp.bfloat16)
+        pl.when(i > 0)(lambda: plgpu.barrier_wait(pds_free))
+        p_s[...] = p.astype(jnp.bfloat16)
+        ds_s[...] = ds
         plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready)
-        fp_t = (p_t * head_vec(1)).astype(jnp.bfloat16)
-        acc = _accumulate(plgpu, acc, [(fp_t, do_s.at[wg])])
-        plgpu.barrier_wait(ds_ready)
-        ds_t = ds_s[...]
-        acc = _accumulate(plgpu, acc, [(ds_t, q_main.at[wg])])
-        plgpu.barrier_arrive(free)
+        plgpu.barrier_arrive(pds_ready)
+        acc = _accumulate(plgpu, acc, [(ds, k_main.at[wg])])
+        plgpu.barrier_arrive(k_free)
         return acc
 
-      acc = lax.fori_loop(0, num_heads, step, wgmma_layout(jnp.zeros((BLOCK_K, HALF),
-                                                                     jnp.float32)))
-      _add_rows(plgpu, acc, staged.at[0], dkv_ref, 0)
+      acc = lax.fori_loop(0, steps, step, zeros(HALF))
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)  # both are done with Q: its tiles stage dQ
+      q_main.at[0][...] = acc.astype(jnp.bfloat16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_main.at[0], dq_ref.at[rows, pl.ds(0, HALF)])
+      plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _wg1():
+      chunks = [(q_main.at[c * DKV_CHUNK // HALF, :, pl.ds(c * DKV_CHUNK % HALF, DKV_CHUNK)],
+                 do_s.at[c * DKV_CHUNK // HALF, :, pl.ds(c * DKV_CHUNK % HALF, DKV_CHUNK)],
+                 c * DKV_CHUNK) for c in range(D_MAIN // DKV_CHUNK)]
+      if has_rope:
+        chunks.append((q_rope, None, D_MAIN))
+
+      def add_chunks(slot):
+        """dKV[:, c] = dS^T Q[:, c] + P^T dO'[:, c] per column chunk, each added at once
+        (issuing the adds after the next chunk's wgmma was slower: 43.9 against 33.1 ms
+        at V3.2 with 64-column chunks)."""
+        for q_tile, do_tile, col in chunks:
+          pairs = [(ds_s.transpose((1, 0)), q_tile)]
+          if do_tile is not None:
+            pairs.append((p_s.transpose((1, 0)), do_tile))
+
+          def run(ref, pairs=pairs):
+            for a, b in pairs:
+              plgpu.wgmma(ref, a, b)
+            return ref[...]
+
+          acc = pl.run_scoped(run, plgpu.ACC((BLOCK_K, q_tile.shape[-1]), jnp.float32))
+          _add_rows(plgpu, acc, key_rows.at[slot, 1], dkv_ref, col)
+
       def step(i, accs):
-        del i
-        plgpu.barrier_wait(q_bar)
-        dp_t = _keys_by_heads(plgpu, [k_main.at[0], k_main.at[1]], [do_s.at[0], do_s.at[1]],
-                              HEADS)
-        plgpu.barrier_wait(p_ready)
-        p_t = p_s[...].astype(jnp.float32)
-        ds_t = (sm_scale * p_t * (head_vec(1) * dp_t + head_vec(2))).astype(jnp.bfloat16)
-        ds_s[...] = ds_t
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready)
-        fp_t = (p_t * head_vec(1)).astype(jnp.bfloat16)
-        main = _accumulate(plgpu, accs[0], [(ds_t, q_main.at[wg]), (fp_t, do_s.at[wg])])
-        rope = (_accumulate(plgpu, accs[1], [(ds_t, q_rope)]),) if has_rope else ()
-        plgpu.barrier_arrive(free)
+        slot = lax.rem(i, 2)
+        plgpu.barrier_wait(kv_bar)
+        plgpu.barrier_wait(pds_ready)
+        main = _accumulate(plgpu, accs[0], [(ds_s, k_main.at[wg])])
+        rope = (_accumulate(plgpu, accs[1], [(ds_s, k_rope)]),) if has_rope else ()
+        plgpu.barrier_arrive(k_free)
+        add_chunks(slot)
+        plgpu.barrier_arrive(pds_free)
         return (main, *rope)
 
-      zeros = lambda cols: wgmma_layout(jnp.zeros((BLOCK_K, cols), jnp.float32))  # noqa: E731
       accs = (zeros(HALF),) + ((zeros(q_rope.shape[-1]),) if has_rope else ())
-      accs = lax.fori_loop(0, num_heads, step, accs)
-      _add_rows(plgpu, accs[0], staged.at[0], dkv_ref, HALF)
+      accs = lax.fori_loop(0, steps, step, accs)
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      q_main.at[1][...] = accs[0].astype(jnp.bfloat16)
       if has_rope:
-        _add_rows(plgpu, accs[1], staged.at[0], dkv_ref, D_MAIN)
-
-
-def _head_vec(plgpu, vec, heads: int):
-  """A per-head float32 SMEM vector ``[heads]`` as the columns of a ``[64 keys, heads]``
-  tile (WGMMA layout)."""
-  v = plgpu.load(vec, (), layout=_mosaic.col_layout(plgpu), optimized=False)
-  return lax.broadcast_in_dim(v, (BLOCK_K, heads), [1])
-
-
-def _keys_by_heads(plgpu, k_tiles, q_tiles, heads: int):
-  """float32 ``[64 keys, heads] = sum_i k_tiles[i] q_tiles[i]^T`` (``S^T = K Q^T`` and
-  ``dP^T = V dO^T`` over the column tiles)."""
-  def run(ref):
-    for k_tile, q_tile in zip(k_tiles, q_tiles, strict=True):
-      plgpu.wgmma(ref, k_tile, q_tile.transpose((1, 0)))
-    return ref[...]
-  return pl.run_scoped(run, plgpu.ACC((BLOCK_K, heads), jnp.float32))
+        q_rope[...] = accs[1].astype(jnp.bfloat16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_main.at[1], dq_ref.at[rows, pl.ds(HALF, HALF)])
+      if has_rope:
+        plgpu.copy_smem_to_gmem(q_rope, dq_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])])
+      plgpu.wait_smem_to_gmem(0)
 
 
 def _accumulate(plgpu, acc, products):
@@ -211,12 +216,14 @@ _RED_V4_ASM = ("{.reg .pred p; .reg .b64 pol; setp.ge.s32 p, $5, 0; "
 def _add_rows(plgpu, acc, idx_s, dkv_ref, col: int):
   """``dkv[idx_s[r], col + c] += acc[r, c]`` for the float32 ``acc[64, w]`` (WGMMA
   layout) of a warpgroup, rows with ``idx_s[r] < 0`` skipped, from registers (no SMEM
-  staging, no wait).
+  staging, no wait); ``dkv``'s columns in the order of :func:`_lane_order`.
 
-  In the WGMMA layout a lane holds two columns of rows ``r`` and ``r + 8`` for each
-  8-column tile, and its neighbour (lane ^ 1) the next two: one exchange gives the even
-  lane four columns of row ``r`` and the odd lane four of row ``r + 8``, so each lane
-  adds 16 bytes with one ``red.v4``."""
+  In each group of 16 columns a lane holds four (two pairs) of each of its rows ``r``
+  and ``r + 8``, and the lane four up (``lane ^ 4``) the same four of row ``r ^ 1``.
+  One exchange per 32 columns gives each lane 16 bytes of the even row and 16 of the odd
+  one, so that the 8 lanes of the two rows add one whole 128-byte line of each row with
+  one ``red.v4`` apiece (in :func:`_lane_order` a lane's four columns of a group are
+  adjacent); cuDNN's sm90 DSA backward lays its float32 scratch out the same way."""
   def add(ctx, acc, idx_ref, dkv_ref):
     del ctx
     from jax._src.lib.mlir import ir
@@ -228,48 +235,120 @@ def _add_rows(plgpu, acc, idx_s, dkv_ref, col: int):
     i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
                      ir.F32Type.get())
     index = ir.IndexType.get()
+    c_index, c64 = (lambda v: mgpu_utils.c(v, index)), (lambda v: mgpu_utils.c(v, i64))  # noqa: E731
     width = ir.MemRefType(dkv_ref.type).shape[1]
     base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
                               mgpu_utils.memref_ptr(dkv_ref))
-    odd = arith.cmpi(arith.CmpIPredicate.ne,
-                     arith.andi(mgpu.thread_idx(), mgpu_utils.c(1, i32)), mgpu_utils.c(0, i32))
-    first_of = lambda v: vector.extract(v, dynamic_position=[], static_position=[0])  # noqa: E731
-    second_of = lambda v: vector.extract(v, dynamic_position=[], static_position=[1])  # noqa: E731
-    # Registers [column tile j, row r / r + 8]; thread_idxs gives each one's (row, col).
+    parity = arith.andi(arith.shrui(mgpu.thread_idx(), mgpu_utils.c(2, i32)),
+                        mgpu_utils.c(1, i32))
+    odd = arith.cmpi(arith.CmpIPredicate.ne, parity, mgpu_utils.c(0, i32))
+    # Registers [column tile j, row r / r + 8]; thread_idxs gives each one's (row, col):
+    # tile j holds columns 8 j + 2 (lane % 4) + (0, 1).
     regs = acc.registers.reshape(-1, 2)
-    places = list(acc.layout.thread_idxs(acc.shape))[::2]
-    for (a, b), (row, c) in zip(regs, places, strict=True):
-      other = mgpu_utils.shfl_bfly(arith.select(odd, a, b), 1)
-      lo, hi = arith.select(odd, other, a), arith.select(odd, b, other)
-      row = arith.select(odd, arith.addi(row, mgpu_utils.c(8, index)), row)
-      c = arith.select(odd, arith.subi(c, mgpu_utils.c(2, index)), c)
-      idx = memref.load(idx_ref, [row])
-      off = arith.addi(arith.muli(arith.extsi(i64, idx), mgpu_utils.c(width, i64)),
-                       arith.index_cast(i64, arith.addi(c, mgpu_utils.c(col, index))))
-      llvm.inline_asm(ir.Type.parse("!llvm.void"),
-                      [mgpu_utils.getelementptr(base, [off], f32), first_of(lo), second_of(lo),
-                       first_of(hi), second_of(hi), idx],
-                      _RED_V4_ASM, "l,f,f,f,f,r", has_side_effects=True)
+    places = list(acc.layout.thread_idxs(acc.shape))
+    lane_col = arith.index_cast(i64, places[0][1])  # 2 (lane % 4)
+    # In a group of 16 columns this lane's four sit at 4 (lane % 4); an odd row's lane
+    # adds the line's second group.
+    lane_at = arith.addi(arith.addi(arith.muli(lane_col, c64(2)), c64(col)),
+                         arith.muli(arith.extui(i64, parity), c64(16)))
+    select = lambda x, y: [arith.select(odd, a, b) for a, b in zip(x, y, strict=True)]  # noqa: E731
+    group = lambda g, i: (regs[2 * g, i], regs[2 * g + 1, i])  # noqa: E731  (16 columns)
+    for i in range(2):
+      row = places[i][0]
+      rows = (arith.andi(row, c_index(~1)), arith.ori(row, c_index(1)))  # r and r ^ 1
+      idxs = [memref.load(idx_ref, [r]) for r in rows]
+      starts = [arith.addi(arith.muli(arith.extsi(i64, x), c64(width)), lane_at) for x in idxs]
+      for m in range(regs.shape[0] // 4):
+        keep = select(group(2 * m + 1, i), group(2 * m, i))
+        sent = select(group(2 * m, i), group(2 * m + 1, i))
+        got = [mgpu_utils.shfl_bfly(x, 4) for x in sent]
+        for start, idx, pair in ((starts[0], idxs[0], select(got, keep)),
+                                 (starts[1], idxs[1], select(keep, got))):
+          values = [vector.extract(v, dynamic_position=[], static_position=[e])
+                    for v in pair for e in (0, 1)]
+          at = mgpu_utils.getelementptr(base, [arith.addi(start, c64(32 * m))], f32)
+          llvm.inline_asm(ir.Type.parse("!llvm.void"), [at, *values, idx], _RED_V4_ASM,
+                          "l,f,f,f,f,r", has_side_effects=True)
 
   plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))(add)(
       acc, idx_s, dkv_ref)
 
 
+def _lane_order(dkv):
+  """``dkv[..., d]`` with its columns back in order from the one :func:`_add_rows`
+  writes: in each group of 16, real column ``8 t + 2 k + e`` sits at ``4 k + 2 t + e``
+  (one copy of ``dkv``: 75 MB at s_kv 32768, about 0.05 ms at 3 TB/s)."""
+  *lead, d = dkv.shape
+  return dkv.reshape(*lead, d // 16, 4, 2, 2).swapaxes(-3, -2).reshape(*lead, d)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def sparse_prefill_dkv(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
-  """float32 ``dkv[s_kv, d_qk]`` of sparse prefill (shapes and terms as
-  :func:`jax_mla.sparse_mla.triton_backward.sparse_prefill_bwd`'s; :func:`supported`).
-  Under ``jax.vmap`` one call takes the whole batch (:func:`fold_batch`)."""
-  dkv = fold_batch(functools.partial(_dkv_call, sm_scale=sm_scale))
-  return dkv(q, kv, indices, lengths, d_out, lse, coef, bias)
+def sparse_prefill_bwd(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
+  """``(dq, dkv)`` of sparse prefill: bf16 ``dq[s_q, h_q, d_qk]`` and float32
+  ``dkv[s_kv, d_qk]`` (:func:`supported` shapes).
+
+  Args as :func:`jax_mla.sparse_mla.triton_backward.sparse_prefill_bwd`'s: ``q[s_q, h_q,
+  d_qk]``, ``kv[s_kv, d_qk]``, ``indices[s_q, topk]``, ``lengths[s_q]``, bf16
+  ``d_out[s_q, h_q, 512]``, and per (token, head) the natural-log ``lse``, the sink
+  factor ``coef`` (``f``) and ``bias`` (``b``, so ``dS = sm_scale P (f dP + b)``).
+  Under ``jax.vmap`` one call takes the whole batch (:func:`fold_batch`).
+  """
+  return fold_batch(functools.partial(_call, sm_scale=sm_scale))(
+      q, kv, indices, lengths, d_out, lse, coef, bias)
 
 
-def fold_batch(dkv_fn):
-  """``dkv_fn(q, kv, indices, lengths, *per_token)`` (``dkv[s_kv, d]`` from tokens
-  ``[s_q, ...]`` attending rows of ``kv[s_kv, d]``), batched under ``jax.vmap`` by one
-  call over the batch's tokens and rows laid end to end: element ``b``'s indices move
-  by ``b * s_kv`` (unusable ones stay ``-1``, never reaching another element's rows)."""
-  fn = jax.custom_batching.custom_vmap(dkv_fn)
+def _call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
+  plgpu = _mosaic.plgpu()
+  h_q = q.shape[1]
+  q, d_out, vec = _padded_heads(-(-h_q // HEADS) * HEADS, q, d_out, lse, coef, bias)
+  s_q, h_pad, d_qk = q.shape
+  s_kv = kv.shape[0]
+  lengths = jnp.clip(lengths, 0, indices.shape[1])
+  idx = clean_indices(indices, lengths, s_kv)
+  rope = d_qk - D_MAIN
+  gather = gather_fn(fmt=None, num_slots=s_kv, block_size=1, row_bytes=d_qk * 2, d_qk=d_qk)
+
+  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
+  # The swizzled tiles first: each is 1024-byte aligned. 230,656 of the 232,448 bytes.
+  compute = (tiles(2, HEADS, HALF), tiles(HEADS, rope) if rope else None,
+             tiles(2, HEADS, HALF), tiles(2, BLOCK_K, HALF),
+             tiles(BLOCK_K, rope if rope else 64))  # 512: the gather's RoPE stand-in
+  smem = (compute, tiles(HEADS, BLOCK_K), tiles(HEADS, BLOCK_K),
+          plgpu.SMEM((2, HEADS), jnp.float32), plgpu.SMEM((2, 2, BLOCK_K), jnp.int32))
+  barriers = (
+      plgpu.Barrier(num_arrivals=4 + (rope > 0) + 1),  # Q, dO' and the vectors loaded
+      plgpu.Barrier(num_arrivals=1),  # keys gathered
+      plgpu.Barrier(num_arrivals=2),  # keys free: both dQ products done
+      plgpu.Barrier(num_arrivals=1),  # P and dS handed over
+      plgpu.Barrier(num_arrivals=1),  # P and dS free: the dKV products done
+      plgpu.Barrier(num_arrivals=2),  # both done with Q (its tiles stage dQ)
+  )
+  kernel = functools.partial(_kernel, plgpu=plgpu, gather=gather, h_pad=h_pad,
+                             scale=float(sm_scale) * LOG2E, sm_scale=float(sm_scale))
+
+  def body(refs):
+    def entry():
+      pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
+                    barriers, collective_axes="wg")
+
+    mesh = plgpu.Mesh(grid=(s_q, h_pad // HEADS), grid_names=("t", "h"), num_threads=3,
+                      thread_name="wg")
+    pl.kernel(entry, (), mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))()
+
+  operands = (q.reshape(s_q * h_pad, d_qk), d_out.reshape(s_q * h_pad, D_MAIN), vec, lengths,
+              idx, kv, jnp.zeros((s_q * h_pad, d_qk), jnp.bfloat16),
+              jnp.zeros((s_kv, d_qk), jnp.float32))
+  dq, dkv = pl.run_state(body)(operands)[-2:]
+  return dq.reshape(s_q, h_pad, d_qk)[:, :h_q], _lane_order(dkv)
+
+
+def fold_batch(bwd_fn):
+  """``bwd_fn(q, kv, indices, lengths, *per_token) -> (per-token [s_q, ...], dkv[s_kv,
+  d])`` for tokens ``[s_q, ...]`` attending rows of ``kv[s_kv, d]``, batched under
+  ``jax.vmap`` by one call over the batch's tokens and rows laid end to end: element
+  ``b``'s indices move by ``b * s_kv`` (unusable ones stay ``-1``, never reaching
+  another element's rows)."""
+  fn = jax.custom_batching.custom_vmap(bwd_fn)
 
   @fn.def_vmap
   def _rule(axis_size, in_batched, *args):
@@ -280,224 +359,19 @@ def fold_batch(dkv_fn):
     usable = (indices >= 0) & (indices < s_kv)
     indices = jnp.where(usable, indices + (jnp.arange(axis_size) * s_kv)[:, None, None], -1)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-    out = fn(*map(flat, (q, kv, indices, lengths, *per_token)))
-    return out.reshape(axis_size, s_kv, -1), True
+    tokens, dkv = fn(*map(flat, (q, kv, indices, lengths, *per_token)))
+    return ((tokens.reshape(axis_size, -1, *tokens.shape[1:]),
+             dkv.reshape(axis_size, s_kv, -1)), (True, True))
 
   return fn
 
 
 def _padded_heads(h_pad: int, q, d_out, lse, coef, bias):
-  """``(q, d_out bf16, vec float32 [s_q, 3, h_pad])`` with the heads padded to ``h_pad``:
-  padding heads have zero queries and ``lse = +inf`` (so ``p = 0``: they add nothing);
-  ``vec`` stacks each head's ``lse`` (base 2), ``f`` and ``b``."""
+  """``(q, dO' = f dO bf16, vec float32 [s_q, 2, h_pad])`` with the heads padded to
+  ``h_pad``: padding heads have zero queries and ``lse = +inf`` (so ``p = 0``: they add
+  nothing); ``vec`` stacks each head's ``lse`` (base 2) and ``b``."""
   pad = lambda x, fill=0: jnp.pad(  # noqa: E731
       x, [(0, 0), (0, h_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-  vec = jnp.stack([pad(lse * LOG2E, jnp.inf), pad(coef), pad(bias)], axis=1)
-  return pad(q), pad(d_out.astype(jnp.bfloat16)), vec.astype(jnp.float32)
-
-
-def _dkv_call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
-  plgpu = _mosaic.plgpu()
-  q, d_out, vec = _padded_heads(-(-q.shape[1] // HEADS) * HEADS, q, d_out, lse, coef, bias)
-  s_q, h_q, d_qk = q.shape
-  s_kv = kv.shape[0]
-  lengths = jnp.clip(lengths, 0, indices.shape[1])
-  idx = clean_indices(indices, lengths, s_kv)
-  num_blocks = idx.shape[1] // BLOCK_K
-  rope = d_qk - D_MAIN
-  gather = gather_fn(fmt=None, num_slots=s_kv, block_size=1, row_bytes=d_qk * 2, d_qk=d_qk)
-
-  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
-  exchange = tiles(BLOCK_K, HEADS)
-  compute = (tiles(2, BLOCK_K, HALF), tiles(BLOCK_K, rope) if rope else None,
-             tiles(2, HEADS, HALF), tiles(HEADS, rope if rope else 64),  # 512: a stand-in
-             tiles(2, HEADS, HALF))
-  # The swizzled tiles first: each is 1024-byte aligned.
-  smem = (compute, exchange, exchange,
-          plgpu.SMEM((3, HEADS), jnp.float32), plgpu.SMEM((2, BLOCK_K), jnp.int32))
-  copies = 4 + (rope > 0) + 1  # Q and dO halves, Q's RoPE, the vectors
-  barriers = (
-      plgpu.Barrier(num_arrivals=1),  # the keys gathered
-      plgpu.Barrier(num_arrivals=copies),  # a head block loaded
-      plgpu.Barrier(num_arrivals=2),  # its buffers free
-      plgpu.Barrier(num_arrivals=1),  # P^T handed over
-      plgpu.Barrier(num_arrivals=1),  # dS^T handed back
-  )
-  kernel = functools.partial(_dkv_kernel, plgpu=plgpu, gather=gather, num_blocks=num_blocks,
-                             h_q=h_q, scale=float(sm_scale) * LOG2E, sm_scale=float(sm_scale))
-
-  def body(refs):
-    def entry():
-      pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
-                    barriers, collective_axes="wg")
-
-    mesh = plgpu.Mesh(grid=(s_q * num_blocks,), grid_names=("b",), num_threads=3,
-                      thread_name="wg")
-    pl.kernel(entry, (), mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))()
-
-  operands = (q.reshape(s_q * h_q, d_qk), d_out.reshape(s_q * h_q, D_MAIN), vec, lengths, idx,
-              kv, jnp.zeros((s_kv, d_qk), jnp.float32))
-  return pl.run_state(body)(operands)[-1]
-
-
-DQ_STAGES = 2  # gathered key stages of the dq kernel
-
-
-def _dq_kernel(len_ref, q_ref, do_ref, vec_ref, idx_ref, kv_ref, dq_ref, smem, barriers, *,
-               plgpu, gather, heads, h_pad, scale, sm_scale):
-  q_main, q_rope, do_s, kv_main, kv_rope, valid, vec_s, p_x, ds_s = smem
-  q_bar, kv_bar, free, p_ready, ds_ready, done = barriers
-  has_rope = q_rope is not None
-  t, hb = lax.axis_index("t"), lax.axis_index("h")
-  wg = lax.axis_index("wg")
-  r0 = t * h_pad + hb * heads
-  first = first_steps(len_ref, t, 1)
-  rows = pl.ds(r0, heads)
-
-  @pl.when(wg == 2)
-  def _producer():
-    _mosaic.set_registers(plgpu, PRODUCER_REGISTERS, 3)
-    q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
-    q_copies += [(do_ref.at[rows, pl.ds(h * HALF, HALF)], do_s.at[h]) for h in range(2)]
-    if has_rope:
-      q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])], q_rope))
-    q_copies.append((vec_ref.at[t * lax.axis_size("h") + hb], vec_s))
-    produce(plgpu, t=t, q_copies=q_copies, gathers=(gather,), idx_refs=(idx_ref,),
-            kv_refs=(kv_ref,), kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-            barriers=(q_bar, kv_bar, free), first=first)
-
-  @pl.when(wg < 2)
-  def _consumer():
-    _mosaic.set_registers(plgpu, CONSUMER_REGISTERS, 3)
-    shape = (BLOCK_K, heads)
-    head_vec = lambda k: _head_vec(plgpu, vec_s.at[k, pl.ds(0, heads)], heads)  # noqa: E731
-
-    def add_dq(acc, k_tile):  # dQ^T += K^T dS^T
-      return _accumulate(plgpu, acc, [(k_tile.transpose((1, 0)), ds_s.transpose((1, 0)))])
-
-    plgpu.barrier_wait(q_bar)
-    zeros = lambda n: plgpu.layout_cast(jnp.zeros((n, heads), jnp.float32),  # noqa: E731
-                                        plgpu.Layout.WGMMA)
-
-    @pl.when(wg == 0)
-    def _wg0():
-      def step(i, acc):
-        slot = lax.rem(i, DQ_STAGES)
-        plgpu.barrier_wait(kv_bar.at[slot])
-        ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
-        k_tiles = [kv_main.at[slot, 0], kv_main.at[slot, 1]] + (
-            [kv_rope.at[slot]] if has_rope else [])
-        q_tiles = [q_main.at[0], q_main.at[1]] + ([q_rope] if has_rope else [])
-        s_t = _keys_by_heads(plgpu, k_tiles, q_tiles, heads)
-        p_t = jnp.where(lax.broadcast_in_dim(ok, shape, [0]) != 0,
-                        jnp.exp2(s_t * scale - head_vec(0)), 0.0)
-        p_x[...] = p_t.astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready)
-        plgpu.barrier_wait(ds_ready)
-        acc = add_dq(acc, kv_main.at[slot, wg])
-        plgpu.barrier_arrive(free.at[slot])
-        return acc
-
-      acc = lax.fori_loop(0, first[-1], step, zeros(HALF))
-      plgpu.barrier_arrive(done)
-      plgpu.barrier_wait(done)  # both are done with Q: its tiles stage dQ
-      _store_transposed(plgpu, q_main.at[wg], acc)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_main.at[wg], dq_ref.at[rows, pl.ds(wg * HALF, HALF)])
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 1)
-    def _wg1():
-      def step(i, accs):
-        slot = lax.rem(i, DQ_STAGES)
-        plgpu.barrier_wait(kv_bar.at[slot])
-        dp_t = _keys_by_heads(plgpu, [kv_main.at[slot, 0], kv_main.at[slot, 1]],
-                              [do_s.at[0], do_s.at[1]], heads)
-        plgpu.barrier_wait(p_ready)
-        p_t = p_x[...].astype(jnp.float32)
-        ds_t = sm_scale * p_t * (head_vec(1) * dp_t + head_vec(2))
-        _store_transposed(plgpu, ds_s, ds_t)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready)
-        main = add_dq(accs[0], kv_main.at[slot, wg])
-        rope = (add_dq(accs[1], kv_rope.at[slot]),) if has_rope else ()
-        plgpu.barrier_arrive(free.at[slot])
-        return (main, *rope)
-
-      accs = (zeros(HALF),) + ((zeros(q_rope.shape[-1]),) if has_rope else ())
-      accs = lax.fori_loop(0, first[-1], step, accs)
-      plgpu.barrier_arrive(done)
-      plgpu.barrier_wait(done)
-      _store_transposed(plgpu, q_main.at[wg], accs[0])
-      if has_rope:
-        _store_transposed(plgpu, q_rope, accs[1])
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_main.at[wg], dq_ref.at[rows, pl.ds(wg * HALF, HALF)])
-      if has_rope:
-        plgpu.copy_smem_to_gmem(q_rope, dq_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])])
-      plgpu.wait_smem_to_gmem(0)
-
-
-def _store_transposed(plgpu, tile, x):
-  """``tile[heads, n] = x^T`` for a float32 ``x[n, heads]`` in the WGMMA layout (bf16)."""
-  tile.transpose((1, 0))[...] = plgpu.layout_cast(x.astype(jnp.bfloat16),
-                                                  plgpu.Layout.WGMMA_TRANSPOSED)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def sparse_prefill_dq(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
-  """bf16 ``dq[s_q, h_q, d_qk]`` of sparse prefill (arguments as :func:`sparse_prefill_dkv`;
-  :func:`supported`).
-
-  One CTA takes a token and a block of at most 32 of its heads (the transposed forward's
-  :func:`.mosaic_transposed.head_blocks`) and consumes the token's gathered key stages
-  (:func:`.mosaic_gather.produce`, two stages) with the keys on the wgmma M side:
-  warpgroup 0 computes ``S^T = K Q^T`` and ``P^T`` (handed over through SMEM),
-  warpgroup 1 ``dP^T = V dO^T`` and ``dS^T`` (handed back, transposed); each adds ``K^T
-  dS^T`` into its rows of ``dQ^T`` (0-255; 256-511 and the RoPE 64).
-  """
-  plgpu = _mosaic.plgpu()
-  s_q, h_q, d_qk = q.shape
-  blocks, heads = head_blocks(h_q)
-  h_pad = blocks * heads
-  row = max(heads, MIN_ROW)
-  gathers, lens, (idx,), (rows,) = kernel_inputs([(kv[:, None], indices, lengths)], (None,),
-                                                 d_qk)
-  q, d_out, vec = _padded_heads(h_pad, q, d_out, lse, coef, bias)
-  # Per (token, head block): the block's [3, heads] vectors, rows padded to `row`.
-  vec = vec.reshape(s_q, 3, blocks, heads).transpose(0, 2, 1, 3)
-  vec = jnp.pad(vec, ((0, 0), (0, 0), (0, 0), (0, row - heads))).reshape(s_q * blocks, 3, row)
-
-  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
-  rope = d_qk - D_MAIN
-  exchange = plgpu.SMEM((BLOCK_K, heads), jnp.bfloat16,
-                        transforms=(plgpu.TilingTransform((8, heads)),
-                                    plgpu.SwizzleTransform(2 * heads)))
-  smem = (tiles(2, heads, HALF), tiles(heads, rope) if rope else None, tiles(2, heads, HALF),
-          tiles(DQ_STAGES, 2, BLOCK_K, HALF), tiles(DQ_STAGES, BLOCK_K, max(rope, 64)),
-          plgpu.SMEM((DQ_STAGES + 2, BLOCK_K), jnp.int32), plgpu.SMEM((3, row), jnp.float32),
-          exchange, tiles(heads, BLOCK_K))
-  barriers = (
-      plgpu.Barrier(num_arrivals=4 + (rope > 0) + 1),  # Q, dO and the vectors loaded
-      plgpu.Barrier(num_arrivals=1, num_barriers=DQ_STAGES),  # stage gathered
-      plgpu.Barrier(num_arrivals=2, num_barriers=DQ_STAGES),  # stage free: both consumers
-      plgpu.Barrier(num_arrivals=1),  # P^T handed over
-      plgpu.Barrier(num_arrivals=1),  # dS^T handed back
-      plgpu.Barrier(num_arrivals=2),  # both consumers done with Q
-  )
-  kernel = functools.partial(_dq_kernel, plgpu=plgpu, gather=gathers[0], heads=heads,
-                             h_pad=h_pad, scale=float(sm_scale) * LOG2E,
-                             sm_scale=float(sm_scale))
-
-  def entry(*refs):
-    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
-                  barriers, collective_axes="wg")
-
-  dq = plgpu.kernel(
-      entry, **{_mosaic.out_type_kwarg(plgpu): jax.ShapeDtypeStruct((s_q * h_pad, d_qk),
-                                                                   jnp.bfloat16)},
-      grid=(s_q, blocks), grid_names=("t", "h"), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lens, q.reshape(s_q * h_pad, d_qk), d_out.reshape(s_q * h_pad, D_MAIN), vec, idx, rows)
-  return dq.reshape(s_q, h_pad, d_qk)[:, :h_q]
+  d_out = (d_out.astype(jnp.float32) * coef[..., None]).astype(jnp.bfloat16)
+  vec = jnp.stack([pad(lse * LOG2E, jnp.inf), pad(bias)], axis=1)
+  return pad(q), pad(d_out), vec.astype(jnp.float32)
