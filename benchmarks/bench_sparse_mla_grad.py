@@ -202,7 +202,7 @@ def main():
   parser.add_argument("--implementation", default=None, help="the forward's (\"xla\": the XLA "
                       "backward too)")
   parser.add_argument("--kernels", action="store_true",
-                      help="time the dq and dkv kernels apart, Mosaic GPU beside Triton")
+                      help="time the backward kernels alone, Mosaic GPU beside the Triton pair")
   args = parser.parse_args()
   rows = ROWS if not args.rows else {n: ROWS[n] for n in args.rows.split(",")}
   if args.configs:
