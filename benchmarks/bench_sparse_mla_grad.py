@@ -184,7 +184,8 @@ def kernels(rows) -> list[Row]:
     triton = jax.jit(functools.partial(triton_backward.sparse_prefill_bwd, sm_scale=sm_scale,
                                        d_v=D_V, config=triton_backward.Config()))
     errs = [check_close(f"{name} {part}", got, want)
-            for part, got, want in zip(("dq", "dkv"), mosaic(*sets[0]), triton(*sets[0]))]
+            for part, got, want in zip(("dq", "dkv"), mosaic(*sets[0]), triton(*sets[0]),
+                                            strict=True)]
     t_us = time_us(triton, sets, reps=5)
     m_us = time_us(mosaic, sets, reps=5)
     out.append(Row("sparse_mla_prefill backward kernels",

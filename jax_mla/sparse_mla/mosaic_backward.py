@@ -5,8 +5,9 @@
 float32 atomics, one per (token, key, column), and at about 1e11 a second on an H100 they
 bound it (73 ms of its 98.5 at the V3.2 shape). This kernel (:func:`sparse_prefill_bwd`)
 computes ``S`` and ``dP`` once per (token, head, key) for both gradients, and adds each
-64-key block's ``dKV`` rows from registers with vector reds inside its key loop, where
-the tensor cores hide them (cuDNN frontend's sm90 DSA backward does the same).
+64-key block's ``dKV`` rows from registers with vector reds inside its key loop, while
+the other warpgroup's products of the next block run (cuDNN frontend's sm90 DSA backward
+splits the work the same way).
 
 One CTA takes a token and 64 of its heads: ``Q`` and ``dO' = f dO`` (the sink factor
 folded in, so ``dP' = f dP`` and ``dV = P^T dO'``) and the heads' LSE and ``b`` are
@@ -40,7 +41,15 @@ from jax.experimental import pallas as pl
 from jax_mla import _mosaic
 from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
-  BLOCK_K, D_MAIN, HALF, clean_indices, gather_fn, stage_fn, swizzled, wait_copies_fn)
+  BLOCK_K,
+  D_MAIN,
+  HALF,
+  clean_indices,
+  gather_fn,
+  stage_fn,
+  swizzled,
+  wait_copies_fn,
+)
 
 HEADS = 64  # query heads per CTA: the wgmma M of S, dP and dQ
 DKV_CHUNK = 128  # dKV columns per product and add
@@ -115,7 +124,7 @@ def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dq_ref, dkv_ref, s
         k_tiles = [k_main.at[0], k_main.at[1]] + ([k_rope] if has_rope else [])
 
         def products(s_ref, dp_ref):
-          for a, b in zip(q_tiles, k_tiles):
+          for a, b in zip(q_tiles, k_tiles, strict=True):
             plgpu.wgmma(s_ref, a, b.transpose((1, 0)))
           for h in range(2):
             plgpu.wgmma(dp_ref, do_s.at[h], k_main.at[h].transpose((1, 0)))
