@@ -93,6 +93,9 @@ def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dq_ref, dkv_ref, s
       pl.when(i > 0)(lambda: plgpu.barrier_wait(k_free))
       idx_block = idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
       staged = key_rows.at[slot, 1]
+      # This block's indices, staged now and not one block ahead (the gather's "next"
+      # arguments restage them in place): the other slot still holds the previous
+      # block's indices, which warpgroup 1's adds read after the keys are freed.
       stage(idx_block, staged)
       gather_call(idx_block, kv_ref, k_main, k_rope,
                   key_rows.at[slot, 0], staged, staged)
