@@ -8,7 +8,11 @@ the bf16 row (the 2026-11-22 edition of the anchors gave the seed 0.91 TB/s, cou
 half of that), against device-to-device copy (3.0 TB/s on the H100). The seed times
 (``seed_us``) are the 2026-11-22 anchors (benchmarks/RESULTS.md, "Anchors").
 
-  PYTHONPATH=$PWD python3 -m benchmarks.bench_paged_attention [--sweep]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_paged_attention [--sweep] [--side-by-side]
+
+Where torch's Triton runs on the GPU, every row is also timed side by side with the
+seed kernel itself (:mod:`benchmarks.seed_paged_peer`: same process, same arrays, same
+timer, outputs compared first).
 
 ``run()`` times the public ``paged_attention`` (library defaults) with
 ``harness.time_us``: one cache, distinct queries and block tables per input set.
@@ -22,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from benchmarks import seed_paged_peer
 from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, time_us
 from jax_mla.paged import paged_attention
 from jax_mla.paged.triton import Config
@@ -99,24 +104,41 @@ def reference(w: Workload, args, n=4):
                          sliding_window=w.window, implementation="xla")
 
 
-def run(workloads=WORKLOADS) -> list[Row]:
+def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> list[Row]:
   """Each workload through the public op, checked on its first sequences, then timed:
-  one row against the seed Triton time, one against copy bandwidth."""
+  one row against the seed Triton time, one against copy bandwidth. Where torch's Triton
+  runs the seed kernel (:mod:`benchmarks.seed_paged_peer`), each row is also timed side
+  by side with it (``only_side_by_side``: only that)."""
   dev = device_name()
+  seed = seed_paged_peer.load()
+  if only_side_by_side and seed is None:
+    raise RuntimeError("side by side needs a CUDA torch with Triton")
   rows = []
   for w in workloads:
     args = make_inputs(w.num_seqs, w.seq_len, fp8=w.fp8)
     fn = public_fn(w)
     ref = reference(w, args)
     check_close(f"paged_attention {w.name}", jax.jit(fn)(*args)[:ref.shape[0]], ref)
-    us = time_us(fn, input_sets(args))
     config = f"{w.name}: {w.num_seqs} seqs x {w.seq_len}"
+    kv_bytes = w.kv_bytes(args[1].dtype.itemsize)
+    sets = input_sets(args)
+    if seed is not None:
+      us, seed_us = seed_paged_peer.compare_and_time(
+          config, jax.jit(fn), sets, seed, use_sinks=w.sinks, scale=args[0].shape[-1] ** -0.5,
+          k_scale=w.k_scale, v_scale=w.k_scale, sliding_window=w.window)
+      rows.append(Row("paged_attention vs seed", config, us, us, "us", seed_us,
+                      seed_paged_peer.NAME, dev))
+      rows.append(Row("paged_attention vs seed", f"{config} (K+V bandwidth)", us,
+                      kv_bytes / us / 1e6, "TB/s", kv_bytes / seed_us / 1e6,
+                      seed_paged_peer.NAME, dev))
+    if only_side_by_side:
+      continue
+    us = time_us(fn, sets)
     if w.seed_us is not None:
       rows.append(Row("paged_attention", config, us, us, "us", w.seed_us, "seed Triton", dev))
-    rows.append(Row("paged_attention", f"{config} (K+V bandwidth)", us,
-                    w.kv_bytes(args[1].dtype.itemsize) / us / 1e6, "TB/s", COPY_TBS,
-                    "D2D copy", dev))
-    del args
+    rows.append(Row("paged_attention", f"{config} (K+V bandwidth)", us, kv_bytes / us / 1e6,
+                    "TB/s", COPY_TBS, "D2D copy", dev))
+    del args, sets
   return rows
 
 
@@ -147,13 +169,18 @@ def sweep(workloads=WORKLOADS[:3]):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--side-by-side", action="store_true",
+                  help="only the rows timed beside the seed kernel (benchmarks/seed_paged_peer.py)")
+  ap.add_argument("--rows", default="", help="comma-separated workload names (default: all)")
   a = ap.parse_args()
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}, cores {getattr(dev, 'core_count', '?')}, "
         f"jax {jax.__version__}", flush=True)
   if a.sweep:
     sweep()
-  print_table(run())
+  names = [n for n in a.rows.split(",") if n]
+  print_table(run([w for w in WORKLOADS if not names or w.name in names],
+                  only_side_by_side=a.side_by_side))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla._common import LN2, LOG2E, runs_on_gpu
+from jax_mla._common import LN2, LOG2E, cdiv, runs_on_gpu
+
+# The transposed kernels (keys on wgmma's M side, query rows on N): the rows of a CTA.
+TRANSPOSED_MAX_ROWS = 32  # each consumer's accumulator is 256 x rows float32
+TRANSPOSED_ROW_ALIGN = 16  # rows per CTA are a multiple of this (wgmma N)
+# Per-row float32 vectors cross between SMEM and GMEM in rows of at least 32 (TMA copies
+# by a warpgroup move a multiple of 128 bytes).
+MIN_VECTOR_ROW = 32
 
 
 def plgpu():
@@ -69,6 +76,14 @@ def _cluster_sync(ctx):
   llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
                   "barrier.cluster.arrive; barrier.cluster.wait;", "",
                   has_side_effects=True)
+
+
+def transposed_tiles(rows: int) -> tuple[int, int]:
+  """``(tiles, rows_per_tile)`` of a transposed kernel: the fewest tiles of at most 32
+  rows covering ``rows``, each a multiple of 16 (the last tile's padding rows are zero
+  queries)."""
+  tiles = cdiv(rows, TRANSPOSED_MAX_ROWS)
+  return tiles, cdiv(cdiv(rows, tiles), TRANSPOSED_ROW_ALIGN) * TRANSPOSED_ROW_ALIGN
 
 
 def on_hopper() -> bool:

@@ -78,9 +78,12 @@ def _shared_case(rng, h_q, seqlens, **kw):
 
 
 @pytest.mark.parametrize("b,s_q,h_q,causal,num_kv_splits", [
-    (3, 1, 128, False, 1), (2, 2, 64, True, 3), (132, 4, 16, False, 1)])
+    (3, 1, 128, False, 1), (2, 2, 64, True, 3), (132, 4, 16, False, 1), (2, 2, 32, True, 2),
+    (132, 1, 16, False, 1), (3, 2, 16, True, 3), (2, 1, 8, False, 1), (2, 3, 40, True, 2)])
 def test_kernel_lowers(b, s_q, h_q, causal, num_kv_splits):
-  """The kernel lowers for CUDA, with and without KV splits; runs without a GPU."""
+  """The kernel lowers for CUDA, with and without KV splits, in both forms (64-row tiles;
+  transposed, rows not a multiple of 64), tiles spanning tokens with ``causal``; runs
+  without a GPU."""
   s = jax.ShapeDtypeStruct
   config = mosaic.with_defaults(None, num_kv_splits=num_kv_splits, batch=b, s_q=s_q, h_q=h_q,
                                 max_blocks=4)
@@ -106,10 +109,28 @@ def test_two_queries(causal):
 
 
 @pytest.mark.gpu
-def test_small_heads_span_tokens():
-  # h_q 16, s_q 4: one 64-row tile holds four query tokens (non-causal only).
-  args = _case(np.random.default_rng(3), 4, 16, [5, 200, 64])
-  _check(args)
+@pytest.mark.parametrize("causal", [False, True])
+def test_small_heads_span_tokens(causal):
+  # h_q 16, s_q 4: one 64-row tile holds four query tokens, each masked at its own length.
+  args = _case(np.random.default_rng(3), 4, 16, [5, 200, 64, 2])
+  _check(args, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,num_kv_splits", [(16, 1), (8, 3), (32, None), (48, 1), (100, 2)])
+def test_transposed_edge_lengths(h_q, num_kv_splits):
+  # Rows not a multiple of 64: the transposed kernel (tiles of 16 or 32 rows; 48 and 100
+  # heads take two and four tiles with zero padding rows).
+  args = _shared_case(np.random.default_rng(20 + h_q), h_q, EDGE_LENGTHS, bad_id_at=(5, 1))
+  _check(args, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,h_q,num_kv_splits", [(2, 16, 1), (3, 40, 2), (2, 24, 3)])
+def test_transposed_causal_tiles_span_tokens(s_q, h_q, num_kv_splits):
+  # Transposed tiles holding rows of two query tokens, each masked at its own length.
+  args = _case(np.random.default_rng(30 + h_q), s_q, h_q, [0, 1, 2, 65, 130, 511])
+  _check(args, causal=True, num_kv_splits=num_kv_splits)
 
 
 @pytest.mark.gpu
@@ -147,8 +168,7 @@ def test_nan_query_row_is_nan(implementation, num_kv_splits, interpret):
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("s_q,h_q,page,causal", [
-    (1, 16, 64, False), (1, 128, 32, False), (2, 32, 64, True)])
+@pytest.mark.parametrize("s_q,h_q,page,causal", [(1, 128, 32, False), (2, 16, 16, True)])
 def test_rejects_unsupported_shapes(s_q, h_q, page, causal):
   q = jnp.zeros((2, s_q, h_q, D), jnp.bfloat16)
   cache = jnp.zeros((4, page, D), jnp.bfloat16)
@@ -165,7 +185,8 @@ def test_default_picks_mosaic_on_hopper_only_for_supported_shapes():
   def default_for(q):
     return _mosaic.default_for(mosaic.check_supported, q, cache, causal=False)
   assert default_for(q) == (hopper and jax.__version_info__ >= (0, 11))
-  assert not default_for(q[:, :, :16])
+  assert default_for(q[:, :, :16]) == default_for(q)  # the transposed kernel
+  assert not _mosaic.default_for(mosaic.check_supported, q, cache[:, :32], causal=False)
 
 
 @pytest.mark.gpu
@@ -216,3 +237,10 @@ def test_tail_blocks_zero_past_the_sequence():
   assert np.all(tail[0, 6:] == 0)
   np.testing.assert_array_equal(tail[1], c[int(bt[1, 1])])  # full last block: a plain copy
   assert np.all(tail[2] == 0) and np.all(tail[3] == 0) and np.all(tail[4] == 0)
+
+
+@pytest.mark.parametrize("s_q,h_q,tiles", [(1, 128, (2, 64)), (4, 16, (1, 64)), (1, 16, (1, 16)),
+                                           (1, 8, (1, 16)), (2, 24, (2, 32)), (1, 100, (4, 32))])
+def test_row_tiles(s_q, h_q, tiles):
+  """64-row tiles where they divide a request's rows, else transposed tiles of <= 32."""
+  assert mosaic.row_tiles(s_q, h_q) == tiles

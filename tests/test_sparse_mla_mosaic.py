@@ -18,7 +18,7 @@ from sparse_cases import decode_inputs, random_indices
 
 from jax_mla import _mosaic
 from jax_mla.cache.formats import resolve
-from jax_mla.sparse_mla import mosaic, mosaic_transposed, sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
 
 
 def _rows(rng, num_slots, d_qk, idx):
@@ -151,9 +151,9 @@ def test_default_picks_mosaic_on_hopper_for_every_head_count(h_q):
 
 @pytest.mark.parametrize(("h_q", "blocks"), [(8, (1, 16)), (16, (1, 16)), (20, (1, 32)),
                                              (32, (1, 32)), (48, (2, 32)), (100, (4, 32))])
-def test_head_blocks(h_q, blocks):
-  """The transposed kernel's head blocks: the fewest of at most 32, a multiple of 16."""
-  assert mosaic_transposed.head_blocks(h_q) == blocks
+def test_transposed_tiles(h_q, blocks):
+  """The transposed kernels' row tiles: the fewest of at most 32, a multiple of 16."""
+  assert _mosaic.transposed_tiles(h_q) == blocks
 
 
 @pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512)])

@@ -29,9 +29,16 @@ KV for that row (512 CTAs) was 5% slower. Computing ``S`` once and sharing ``P``
 through SMEM (FlashMLA's split; before, both consumers computed ``S``, a third of the
 tensor-core work) took that row from 400 to 369-388 us (2026-11-23).
 
-Shapes: ``s_q * h_q`` must be a multiple of 64 (and ``h_q`` a multiple of 64
-when ``causal`` and ``s_q > 1``), the cache block size 64, everything bf16.
-Other shapes belong to the Triton kernel (``implementation="triton"``).
+Rows of a request that are not a multiple of 64 (tensor parallelism leaves 8, 16
+or 32 heads a GPU) take the transposed form of the same loop, as the sparse kernel
+for such head counts does (:mod:`jax_mla.sparse_mla.mosaic_transposed`): a CTA takes
+at most 32 rows (a multiple of 16) on wgmma's N side and the 64 keys of a block on
+M, ``S^T = K Q^T`` and ``O^T += V^T P^T``, so no tensor-core row is spent on padding
+(:func:`row_tiles`). A tile may hold rows of several query tokens, also with
+``causal``: each row is masked at its own token's length.
+
+Shapes: the cache block size 64, everything bf16. Other shapes belong to the Triton
+kernel (``implementation="triton"``).
 """
 
 from __future__ import annotations
@@ -88,68 +95,97 @@ class Config:
 
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, smem, barriers, *,
-                   plgpu, batch, s_q, h_q, num_blocks, num_splits, causal, scale, registers):
-  q_nope, q_rope, kv_nope, kv_rope, lse_smem, p_stats = smem
+                   plgpu, batch, s_q, h_q, tiles, num_blocks, num_splits, causal, scale,
+                   registers):
+  q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, p_stats = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
+  rows = q_nope.shape[1]  # of this tile: 64, or at most 32 transposed
+  transposed = rows != BLOCK_M
   bi = lax.axis_index("b")
   split = lax.axis_index("s")
   tile = lax.axis_index("t")
   wg = lax.axis_index("wg")
-  r0 = bi * (s_q * h_q) + tile * BLOCK_M
+  first_row = tile * rows  # within the request, whose rows are (token, head) pairs
+  r0 = (bi * tiles + tile) * rows
 
   seq = seq_ref[bi]  # clipped to the block table by the wrapper
-  if causal:  # the tile is one query token (h_q % 64 == 0 or s_q == 1)
-    lim = jnp.minimum(jnp.maximum(seq - (s_q - 1) + lax.div(tile * BLOCK_M, h_q), 0), seq)
-  else:
-    lim = seq
+
+  def limit(token):  # keys a query token sees
+    if not causal:
+      return seq
+    return jnp.minimum(jnp.maximum(seq - (s_q - 1) + token, 0), seq)
+
+  # The tile's last token sees the most keys (padding rows count as the last token).
+  lim = limit(jnp.minimum(lax.div(first_row + rows - 1, h_q), s_q - 1))
   n_total = lax.div(lim + (PAGE - 1), PAGE)
   chunk = lax.div(n_total + (num_splits - 1), num_splits)
   blk0 = split * chunk
   steps = jnp.minimum(jnp.maximum(n_total - blk0, 0), chunk)
+  # With causal, rows of different tokens see different keys: a row's own limit.
+  per_row = causal and s_q > 1 and h_q % rows != 0
 
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(registers[0], action="increase")
-    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, PAGE), 1, layout=plgpu.Layout.WGMMA)
+    s_shape, key_axis = ((PAGE, rows), 0) if transposed else ((rows, PAGE), 1)
+    iota = lambda axis: plgpu.broadcasted_iota(  # noqa: E731
+        jnp.int32, s_shape, axis, layout=plgpu.Layout.WGMMA)
 
     def mask(i, slot):
       del slot
       blk = blk0 + i
       pg = bt_ref[bi, blk]
-      kmax = jnp.where((pg >= 0) & (pg < num_blocks), lim - blk * PAGE, 0)
-      return lambda s: jnp.where(col < kmax, s, -jnp.inf)
+      # An invalid block id shifts every limit below 0: no key of the block is seen.
+      base = jnp.where((pg >= 0) & (pg < num_blocks), blk * PAGE, 1 << 30)
+      key = iota(key_axis)
+      if not per_row:
+        return lambda s: jnp.where(key < lim - base, s, -jnp.inf)
+      # Token of each row: the first row's, plus one per token boundary crossed (a tile
+      # spans at most `spans` boundaries).
+      row = iota(1 - key_axis) + first_row
+      token0 = lax.div(first_row, h_q)
+      token = token0
+      for j in range(1, (h_q + rows - 2) // h_q + 1):
+        token = token + jnp.where(row >= (token0 + j) * h_q, 1, 0)
+      row_lim = limit(token)
+      return lambda s: jnp.where(key < row_lim - base, s, -jnp.inf)
 
     acc, m, l = _mosaic.consume_stages(
         plgpu, wg=wg, q_main=q_nope, q_rope=q_rope, k_main=kv_nope, k_rope=kv_rope, steps=steps,
         barriers=(q_bar, kv_bar, free_bar, done_bar), shared=(p_stats, p_ready),
-        mask=mask, scale=scale)
+        mask=mask, scale=scale, p_t=p_t)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)
     inv = jnp.where(empty, 0.0, 1.0 / l_safe)
-    q_nope.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_nope.dtype)
+    o = (acc * lax.broadcast_in_dim(inv, acc.shape, [int(transposed)])).astype(q_nope.dtype)
+    if transposed:  # O^T stored as O
+      q_nope.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(
+          o, plgpu.Layout.WGMMA_TRANSPOSED)
+    else:
+      q_nope.at[wg][...] = o
 
     @pl.when(wg == 0)
     def _():
-      lse_smem[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
+      lse_smem.at[pl.ds(0, rows)][...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_nope.at[wg],
-                            o_ref.at[split, pl.ds(r0, BLOCK_M), pl.ds(wg * HALF, HALF)])
+                            o_ref.at[split, pl.ds(r0, rows), pl.ds(wg * HALF, HALF)])
 
     @pl.when(wg == 0)
     def _():
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, pl.ds(r0, BLOCK_M)])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, bi * tiles + tile])
 
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(registers[1], action="decrease")
-    rows = pl.ds(r0, BLOCK_M)
+    q_rows = pl.ds(r0, rows)
     for h in range(2):
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_nope.at[h], q_bar)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_NOPE, D_ROPE)], q_rope, q_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(h * HALF, HALF)], q_nope.at[h], q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(D_NOPE, D_ROPE)], q_rope, q_bar)
     last_blk = lax.div(seq - 1, PAGE)
     partial = lax.rem(seq, PAGE) != 0
 
@@ -166,8 +202,8 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
       is_tail = partial & (blk == last_blk)
       from_cache = (pg >= 0) & (pg < num_blocks) & jnp.logical_not(is_tail)
 
-      def load(src_ref, first_row):
-        src_rows = pl.ds(first_row, PAGE)
+      def load(src_ref, first_key):
+        src_rows = pl.ds(first_key, PAGE)
         for h in range(2):
           plgpu.copy_gmem_to_smem(src_ref.at[src_rows, pl.ds(h * HALF, HALF)],
                                   kv_nope.at[slot, h], kv_bar.at[slot])
@@ -201,19 +237,21 @@ def default_num_splits(num_tiles: int, max_blocks: int) -> int:
   return int(max(1, min(cdiv(num_sms(), num_tiles), max_blocks // 4, 64)))
 
 
+def row_tiles(s_q: int, h_q: int) -> tuple[int, int]:
+  """``(tiles, rows_per_tile)`` over a request's ``s_q * h_q`` query rows: tiles of 64
+  where they divide, else the transposed kernel's (at most 32, a multiple of 16)."""
+  rows = s_q * h_q
+  if rows % BLOCK_M == 0:
+    return rows // BLOCK_M, BLOCK_M
+  return _mosaic.transposed_tiles(rows)
+
+
 def check_supported(q, kv_cache, *, causal):
   """Raises ``ValueError`` for shapes this kernel does not take (the Triton one does)."""
-  _, s_q, h_q, _ = q.shape
-  why = None
+  del q, causal
   if kv_cache.shape[1] != PAGE:
-    why = f"cache block size {PAGE} (got {kv_cache.shape[1]})"
-  elif (s_q * h_q) % BLOCK_M:
-    why = f"s_q * h_q a multiple of {BLOCK_M} (got s_q={s_q}, h_q={h_q})"
-  elif causal and s_q > 1 and h_q % BLOCK_M:
-    why = f"h_q a multiple of {BLOCK_M} with causal and s_q > 1 (got h_q={h_q})"
-  if why:
-    raise ValueError(f"the Mosaic GPU dense-decode kernel needs {why}; use "
-                     "implementation='triton' for this shape")
+    raise ValueError(f"the Mosaic GPU dense-decode kernel needs cache block size {PAGE} (got "
+                     f"{kv_cache.shape[1]}); use implementation='triton' for this shape")
 
 
 def with_defaults(config: Config | None, *, num_kv_splits: int | None, batch: int, s_q: int,
@@ -221,7 +259,7 @@ def with_defaults(config: Config | None, *, num_kv_splits: int | None, batch: in
   """``config`` (``None``: the defaults) with ``num_splits`` set: the op's
   ``num_kv_splits`` when given, else the config's, else :func:`default_num_splits`."""
   return with_num_splits(config or Config(), num_kv_splits, lambda: default_num_splits(
-      batch * s_q * h_q // BLOCK_M, max_blocks))
+      batch * row_tiles(s_q, h_q)[0], max_blocks))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config"))
@@ -233,19 +271,25 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   num_splits = config.num_splits
   b, s_q, h_q, _ = q.shape
   num_blocks, max_blocks = kv_cache.shape[0], block_table.shape[1]
-  rows = b * s_q * h_q
-  tiles = s_q * h_q // BLOCK_M
+  tiles, rows = row_tiles(s_q, h_q)
+  q_rows = s_q * h_q
+  padded = tiles * rows  # a request's rows with the last tile's zero padding
+  q = jnp.pad(q.reshape(b, q_rows, D_QK), ((0, 0), (0, padded - q_rows), (0, 0)))
   seq = jnp.clip(cache_seqlens, 0, max_blocks * PAGE)
   tail = _tail_blocks(kv_cache, block_table, seq)
 
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, BLOCK_M, NUM_STAGES)
+  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, rows, NUM_STAGES)
+  vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)
   smem = (
-      plgpu.SMEM((2, BLOCK_M, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((BLOCK_M, D_ROPE), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((2, rows, HALF), jnp.bfloat16, transforms=swizzled),
+      plgpu.SMEM((rows, D_ROPE), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((NUM_STAGES, 2, PAGE, HALF), jnp.bfloat16, transforms=swizzled),
       plgpu.SMEM((NUM_STAGES, PAGE, D_ROPE), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((BLOCK_M,), jnp.float32),
+      # Transposed: P^T of each stage (else P goes to the stage's dead RoPE tile).
+      (plgpu.SMEM((NUM_STAGES, rows, PAGE), jnp.bfloat16, transforms=swizzled)
+       if rows != BLOCK_M else None),
+      plgpu.SMEM((vector_row,), jnp.float32),
       shared_smem,
   )
   barriers = (
@@ -256,23 +300,25 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       shared_barrier,
   )
   kernel = functools.partial(
-      _decode_kernel, plgpu=plgpu, batch=b, s_q=s_q, h_q=h_q, num_blocks=num_blocks,
-      num_splits=num_splits, causal=causal, scale=sm_scale * LOG2E,
+      _decode_kernel, plgpu=plgpu, batch=b, s_q=s_q, h_q=h_q, tiles=tiles,
+      num_blocks=num_blocks, num_splits=num_splits, causal=causal, scale=sm_scale * LOG2E,
       registers=(config.consumer_registers, config.producer_registers))
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
                   barriers, collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((num_splits, rows, D_NOPE), jnp.bfloat16),
-              jax.ShapeDtypeStruct((num_splits, rows), jnp.float32))
+  out_type = (jax.ShapeDtypeStruct((num_splits, b * padded, D_NOPE), jnp.bfloat16),
+              jax.ShapeDtypeStruct((num_splits, b * tiles, vector_row), jnp.float32))
   out, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
       # The row tiles of one request are adjacent in launch order (the last grid axis
       # is blockIdx.x): they read the same cache blocks, which L2 then serves once.
       grid=(b, num_splits, tiles), grid_names=("b", "s", "t"), num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(seq, block_table, q.reshape(rows, D_QK), kv_cache.reshape(-1, D_QK), tail)
+  )(seq, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK), tail)
+  out = out.reshape(num_splits, b, padded, D_NOPE)[:, :, :q_rows]
+  lse = lse[..., :rows].reshape(num_splits, b, padded)[:, :, :q_rows]
   if num_splits == 1:
     out, lse = out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
   else:  # bf16 partials (they are staged in the query's SMEM), float32 merge

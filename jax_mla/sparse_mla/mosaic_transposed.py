@@ -10,9 +10,10 @@ on the M side instead and the heads on N (a multiple of 16):
 - ``O^T += V^T P^T``: each of the two consumer warpgroups owns 256 of the 512 output
   rows of ``O^T``.
 
-One CTA takes one query token and a block of at most 32 heads (:func:`head_blocks`);
-the producer warpgroup and its ring of gathered bf16 key stages are the other
-kernel's (:func:`jax_mla.sparse_mla.mosaic_gather.produce`). The consumers take the
+One CTA takes one query token and a block of at most 32 heads
+(:func:`jax_mla._mosaic.transposed_tiles`); the producer warpgroup and its ring of
+gathered bf16 key stages are the other kernel's
+(:func:`jax_mla.sparse_mla.mosaic_gather.produce`). The consumers take the
 stages in turns as there (:func:`jax_mla._mosaic.consume_stages`): stage ``i``'s
 ``S^T`` and softmax run in warpgroup ``i % 2``, which hands ``P^T`` (bf16, its own SMEM
 tile per stage) and the columns' rescale factor to both. The column reductions cross
@@ -34,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import LOG2E, cdiv
+from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
   D_MAIN,
@@ -45,19 +46,6 @@ from jax_mla.sparse_mla.mosaic_gather import (
   produce,
   swizzled,
 )
-
-MAX_HEADS = 32  # per CTA: each consumer's accumulator is 256 x heads float32
-HEAD_ALIGN = 16  # heads per CTA are a multiple of this (wgmma N)
-# Per-head float32 vectors cross between SMEM and GMEM in rows of at least 32 (TMA copies
-# by a warpgroup move a multiple of 128 bytes).
-MIN_ROW = 32
-
-
-def head_blocks(h_q: int) -> tuple[int, int]:
-  """``(blocks, heads)``: the fewest blocks of at most 32 heads covering ``h_q``, each
-  ``heads`` wide (a multiple of 16; the last block's padding heads are zero queries)."""
-  blocks = cdiv(h_q, MAX_HEADS)
-  return blocks, cdiv(cdiv(h_q, blocks), HEAD_ALIGN) * HEAD_ALIGN
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
@@ -143,13 +131,13 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` not a multiple of 64."""
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
-  blocks, heads = head_blocks(h_q)
+  blocks, heads = _mosaic.transposed_tiles(h_q)
   h_pad = blocks * heads
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk)
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
   q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
-  row = max(heads, MIN_ROW)
+  row = max(heads, _mosaic.MIN_VECTOR_ROW)
   sink = jnp.pad(sink, (0, h_pad - h_q + row - heads), constant_values=-jnp.inf)
 
   tiles = swizzled(plgpu)
