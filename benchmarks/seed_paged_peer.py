@@ -20,24 +20,23 @@ from benchmarks.harness import check_close, sync_jax, sync_torch, time_calls_us
 NAME = "seed Triton (same run)"
 
 
-def load():
-  """The seed kernel's launcher, or None without a CUDA torch and Triton."""
-  try:
-    import torch
-    import triton  # noqa: F401
-  except ImportError:
-    return None
-  if not torch.cuda.is_available():
-    return None
-  return _launcher()
-
-
-@functools.cache
-def _launcher():
+try:  # torch's Triton: on a CUDA machine with torch
   import torch
   import triton
   import triton.language as tl
+except ImportError:
+  triton = None
 
+
+def load():
+  """The seed kernel's launcher (:func:`launch`), or None without a CUDA torch and
+  Triton."""
+  if triton is None or not torch.cuda.is_available():
+    return None
+  return launch
+
+
+if triton is not None:  # the seed kernel, as the seed's text defines it
   float8_info = torch.finfo(torch.float8_e4m3fn)
 
   @triton.jit
@@ -218,41 +217,40 @@ def _launcher():
         mask=dim_mask[None, :] & head_mask[:, None],
     )
 
-  def launch(query, key_cache, value_cache, block_table, seq_lens, *, scale, k_scale,
-             v_scale, sinks=None, sliding_window=0):
-    """One decode call (one query token per sequence) as vLLM launches the seed kernel:
-    returns a zero-argument callable that writes and returns the output."""
-    num_seqs, hq, d = query.shape
-    hkv = key_cache.shape[1]
-    qpk = hq // hkv
-    out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
-    ks = torch.tensor([k_scale], dtype=torch.float32, device=query.device)
-    vs = torch.tensor([v_scale], dtype=torch.float32, device=query.device)
-    kernel = kernel_paged_attention_2d[(num_seqs, hkv)]
-    args = (out, query, key_cache, value_cache, sinks, block_table, seq_lens, None, scale, ks,
-            vs, None)
-    kwargs = dict(
-        num_query_heads=hq, num_queries_per_kv=qpk,
-        num_queries_per_kv_padded=max(triton.next_power_of_2(qpk), 16),
-        block_table_stride=block_table.stride(0), query_stride_0=query.stride(0),
-        query_stride_1=query.stride(1), output_stride_0=out.stride(0),
-        output_stride_1=out.stride(1), BLOCK_SIZE=key_cache.shape[3],
-        PHYSICAL_BLOCK_SIZE=key_cache.shape[3], HEAD_SIZE=d,
-        HEAD_SIZE_PADDED=triton.next_power_of_2(d), USE_ALIBI_SLOPES=False,
-        SLIDING_WINDOW=sliding_window, x=key_cache.shape[4],
-        stride_k_cache_0=key_cache.stride(0), stride_k_cache_1=key_cache.stride(1),
-        stride_k_cache_2=key_cache.stride(2), stride_k_cache_3=key_cache.stride(3),
-        stride_k_cache_4=key_cache.stride(4), stride_v_cache_0=value_cache.stride(0),
-        stride_v_cache_1=value_cache.stride(1), stride_v_cache_2=value_cache.stride(2),
-        stride_v_cache_3=value_cache.stride(3), filter_by_query_len=False,
-        query_start_len_ptr=seq_lens, USE_SINKS=sinks is not None, USE_FP8=False)
 
-    def call():
-      kernel(*args, **kwargs)
-      return out
-    return call
+def launch(query, key_cache, value_cache, block_table, seq_lens, *, scale, k_scale,
+           v_scale, sinks=None, sliding_window=0):
+  """One decode call (one query token per sequence) as vLLM launches the seed kernel:
+  returns a zero-argument callable that writes and returns the output."""
+  num_seqs, hq, d = query.shape
+  hkv = key_cache.shape[1]
+  qpk = hq // hkv
+  out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+  ks = torch.tensor([k_scale], dtype=torch.float32, device=query.device)
+  vs = torch.tensor([v_scale], dtype=torch.float32, device=query.device)
+  kernel = kernel_paged_attention_2d[(num_seqs, hkv)]
+  args = (out, query, key_cache, value_cache, sinks, block_table, seq_lens, None, scale, ks,
+          vs, None)
+  kwargs = dict(
+      num_query_heads=hq, num_queries_per_kv=qpk,
+      num_queries_per_kv_padded=max(triton.next_power_of_2(qpk), 16),
+      block_table_stride=block_table.stride(0), query_stride_0=query.stride(0),
+      query_stride_1=query.stride(1), output_stride_0=out.stride(0),
+      output_stride_1=out.stride(1), BLOCK_SIZE=key_cache.shape[3],
+      PHYSICAL_BLOCK_SIZE=key_cache.shape[3], HEAD_SIZE=d,
+      HEAD_SIZE_PADDED=triton.next_power_of_2(d), USE_ALIBI_SLOPES=False,
+      SLIDING_WINDOW=sliding_window, x=key_cache.shape[4],
+      stride_k_cache_0=key_cache.stride(0), stride_k_cache_1=key_cache.stride(1),
+      stride_k_cache_2=key_cache.stride(2), stride_k_cache_3=key_cache.stride(3),
+      stride_k_cache_4=key_cache.stride(4), stride_v_cache_0=value_cache.stride(0),
+      stride_v_cache_1=value_cache.stride(1), stride_v_cache_2=value_cache.stride(2),
+      stride_v_cache_3=value_cache.stride(3), filter_by_query_len=False,
+      query_start_len_ptr=seq_lens, USE_SINKS=sinks is not None, USE_FP8=False)
 
-  return launch
+  def call():
+    kernel(*args, **kwargs)
+    return out
+  return call
 
 
 def compare_and_time(name: str, ours, sets, launch, *, use_sinks: bool, **kw

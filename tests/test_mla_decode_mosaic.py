@@ -1,7 +1,7 @@
 """Dense MLA decode on the Mosaic GPU kernel vs the jax.numpy reference.
 
 Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
-(``@pytest.mark.gpu``); the input checks and the tail-block helper run anywhere.
+(``@pytest.mark.gpu``); the input checks and the CUDA lowering run anywhere.
 """
 
 import functools
@@ -223,20 +223,6 @@ def test_mosaic_is_refused_where_it_cannot_run():
   if jax.default_backend() == "cpu":
     with pytest.raises(ValueError, match="needs a GPU"):
       mla_decode_paged(q, cache, bt, sl, implementation="mosaic")
-
-
-@pytest.mark.cpu_only  # jax.numpy; on a GPU every kernel test runs it
-def test_tail_blocks_zero_past_the_sequence():
-  q, cache, bt, sl = _case(np.random.default_rng(1), 1, 64, [70, 128, 0, 1],
-                           bad_id_at=(3, 0))
-  tail = np.asarray(mosaic._tail_blocks(cache, bt, sl).astype(jnp.float32))
-  tail = tail.reshape(5, PAGE, D)
-  assert np.isfinite(tail).all()
-  c = np.asarray(cache.astype(jnp.float32))
-  np.testing.assert_array_equal(tail[0, :6], c[int(bt[0, 1]), :6])
-  assert np.all(tail[0, 6:] == 0)
-  np.testing.assert_array_equal(tail[1], c[int(bt[1, 1])])  # full last block: a plain copy
-  assert np.all(tail[2] == 0) and np.all(tail[3] == 0) and np.all(tail[4] == 0)
 
 
 @pytest.mark.parametrize("s_q,h_q,tiles", [(1, 128, (2, 64)), (4, 16, (1, 64)), (1, 16, (1, 16)),

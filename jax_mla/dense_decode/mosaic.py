@@ -16,10 +16,13 @@ one KV split, and three warpgroups:
   each multiplies ``P`` by its half of ``V`` (the first 512 columns of the same
   latent rows) (:func:`jax_mla._mosaic.consume_stages`).
 
-Unwritten cache slots may hold NaN, and ``0 * NaN`` is NaN, so no CTA reads
-them: each request's partial last block comes from a small copy (``tail``) in
-which the slots past the sequence are zeroed, and invalid block ids read a
-zero block; their scores are masked to ``-inf`` as well.
+Unwritten cache slots may hold NaN, and ``0 * NaN`` is NaN, so none reaches the
+products: the producer loads a request's partial last block onto its own barrier,
+waits for it and zeroes the rows past the sequence in shared memory before it
+hands the stage over (:func:`_zero_rows`); an invalid block id loads nothing and
+hands over a zeroed stage. Their scores are masked to ``-inf`` as well. (A
+zero-padded copy of every request's last block made by XLA before the kernel cost
+24-33 us a call at b 132, 5-8% of the rows below.)
 
 On an H100 (jax 0.11.2) the b128 s_q1 h128 seqlen-4096 row runs at 350-370
 TFLOP/s (the Triton kernel: 153-157). Tried and dropped, as they timed the
@@ -94,11 +97,10 @@ class Config:
                        f"consumer <= 256 and 2 * consumer + producer <= 512; got {c}, {p}")
 
 
-def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, smem, barriers, *,
-                   plgpu, batch, s_q, h_q, tiles, num_blocks, num_splits, causal, scale,
-                   registers):
-  q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, p_stats = smem
-  q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
+def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,
+                   plgpu, s_q, h_q, tiles, num_blocks, num_splits, causal, scale, registers):
+  q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, kept_rows, p_stats = smem
+  q_bar, kv_bar, free_bar, done_bar, tail_bar, p_ready = barriers
   rows = q_nope.shape[1]  # of this tile: 64, or at most 32 transposed
   transposed = rows != BLOCK_M
   bi = lax.axis_index("b")
@@ -186,8 +188,8 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
     for h in range(2):
       plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(h * HALF, HALF)], q_nope.at[h], q_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(D_NOPE, D_ROPE)], q_rope, q_bar)
-    last_blk = lax.div(seq - 1, PAGE)
-    partial = lax.rem(seq, PAGE) != 0
+    zero_rows = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),) + (plgpu.RefType(_swizzled(plgpu)),) * 2)(_zero_rows)
 
     @pl.loop(0, steps)
     def _(i):
@@ -199,35 +201,71 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, tail_ref, o_ref, lse_ref, sme
 
       blk = blk0 + i
       pg = bt_ref[bi, blk]
-      is_tail = partial & (blk == last_blk)
-      from_cache = (pg >= 0) & (pg < num_blocks) & jnp.logical_not(is_tail)
+      # Rows of the block inside the sequence; 0 for an invalid block id.
+      kept = jnp.where((pg >= 0) & (pg < num_blocks), jnp.minimum(seq - blk * PAGE, PAGE), 0)
 
-      def load(src_ref, first_key):
-        src_rows = pl.ds(first_key, PAGE)
+      def load(barrier):
+        src_rows = pl.ds(pg * PAGE, PAGE)
         for h in range(2):
-          plgpu.copy_gmem_to_smem(src_ref.at[src_rows, pl.ds(h * HALF, HALF)],
-                                  kv_nope.at[slot, h], kv_bar.at[slot])
-        plgpu.copy_gmem_to_smem(src_ref.at[src_rows, pl.ds(D_NOPE, D_ROPE)],
-                                kv_rope.at[slot], kv_bar.at[slot])
+          plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(h * HALF, HALF)],
+                                  kv_nope.at[slot, h], barrier)
+        plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(D_NOPE, D_ROPE)], kv_rope.at[slot],
+                                barrier)
 
-      pl.when(from_cache)(lambda: load(kv_ref, pg * PAGE))
-      # tail row `bi` is this request's zero-padded last block, row `batch` all zeros.
-      pl.when(jnp.logical_not(from_cache))(
-          lambda: load(tail_ref, jnp.where(is_tail, bi, batch) * PAGE))
+      pl.when(kept == PAGE)(lambda: load(kv_bar.at[slot]))
+
+      @pl.when(kept < PAGE)
+      def _():
+        @pl.when(kept > 0)
+        def _():
+          load(tail_bar)
+          plgpu.barrier_wait(tail_bar)
+
+        kept_rows[...] = jnp.full((1,), kept, jnp.int32)
+        zero_rows(kept_rows, kv_nope.at[slot], kv_rope.at[slot])
+        plgpu.commit_smem()  # the zeros are read by wgmma (the async proxy)
+        for _ in range(3):  # the stage barrier counts three copies
+          plgpu.barrier_arrive(kv_bar.at[slot])
 
 
-def _tail_blocks(kv_cache, block_table, seq):
-  """``[(b+1)*64, 576]``: row block ``i`` is request ``i``'s last cache block with the
-  slots past its sequence zeroed (zeros if its id is invalid); block ``b`` is zeros."""
-  b = block_table.shape[0]
-  num_blocks = kv_cache.shape[0]
-  last = jnp.maximum(seq - 1, 0) // PAGE
-  pg = block_table[jnp.arange(b), last]
-  ok = (pg >= 0) & (pg < num_blocks)
-  keep = ok[:, None] & (jnp.arange(PAGE)[None, :] < (seq - last * PAGE)[:, None])
-  tail = jnp.where(keep[..., None], kv_cache[jnp.clip(pg, 0, num_blocks - 1)], 0)
-  tail = jnp.concatenate([tail, jnp.zeros((1, PAGE, D_QK), kv_cache.dtype)])
-  return tail.reshape((b + 1) * PAGE, D_QK)
+def _swizzled(plgpu):
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _zero_rows(ctx, kept_ref, nope_ref, rope_ref):
+  """Zeroes rows ``kept_ref[0]`` .. 63 of a key stage (inline Mosaic GPU): the NoPE
+  halves ``[2, 64, 256]`` and the RoPE tile ``[64, 64]``, bf16 in 8-row x 128-byte
+  swizzled tiles. The swizzle only permutes the 16-byte pieces of a 128-byte tile row,
+  so a whole zeroed tile row is zero in any order. Thread ``t`` zeroes piece ``t % 8``
+  of rows ``t // 8 + 16 k`` in each of the nine column tiles."""
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+  c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
+  tid = arith.remui(mgpu.thread_idx(), c32(128))
+  kept = memref.load(kept_ref, [mgpu.c(0, ir.IndexType.get())])
+  piece = arith.muli(arith.andi(tid, c32(7)), c32(16))
+  nope = mgpu_utils.memref_ptr(nope_ref)
+  rope = mgpu_utils.memref_ptr(rope_ref)
+  tiles_per_half = HALF // 64
+  for k in range(PAGE // 16):
+    row = arith.addi(arith.shrui(tid, c32(3)), c32(16 * k))
+    in_tile = arith.addi(arith.muli(arith.andi(row, c32(7)), c32(128)), piece)
+    tile_row = arith.shrui(row, c32(3))
+    offsets = [(nope, arith.addi(arith.muli(tile_row, c32(tiles_per_half * 1024)),
+                                 c32(h * PAGE * HALF * 2 + c * 1024)))
+               for h in range(2) for c in range(tiles_per_half)]
+    offsets.append((rope, arith.muli(tile_row, c32(1024))))
+    zero = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.sge, row, kept))
+    for base, off in offsets:
+      at = mgpu_utils.getelementptr(base, [arith.addi(off, in_tile)], i8)
+      llvm.inline_asm(ir.Type.parse("!llvm.void"), [at, zero],
+                      "{.reg .pred p; setp.ne.b32 p, $1, 0; "
+                      "@p st.shared.v4.b32 [$0], {0, 0, 0, 0};}", "r,r", has_side_effects=True)
 
 
 def default_num_splits(num_tiles: int, max_blocks: int) -> int:
@@ -276,9 +314,8 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   padded = tiles * rows  # a request's rows with the last tile's zero padding
   q = jnp.pad(q.reshape(b, q_rows, D_QK), ((0, 0), (0, padded - q_rows), (0, 0)))
   seq = jnp.clip(cache_seqlens, 0, max_blocks * PAGE)
-  tail = _tail_blocks(kv_cache, block_table, seq)
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  swizzled = _swizzled(plgpu)
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, rows, NUM_STAGES)
   vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)
   smem = (
@@ -290,6 +327,7 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       (plgpu.SMEM((NUM_STAGES, rows, PAGE), jnp.bfloat16, transforms=swizzled)
        if rows != BLOCK_M else None),
       plgpu.SMEM((vector_row,), jnp.float32),
+      plgpu.SMEM((1,), jnp.int32),  # rows kept in a partial block
       shared_smem,
   )
   barriers = (
@@ -297,10 +335,11 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       plgpu.Barrier(num_arrivals=3, num_barriers=NUM_STAGES),  # key stage loaded, likewise
       plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),  # stage free: both consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      plgpu.Barrier(num_arrivals=3),  # a partial block loaded (three copies)
       shared_barrier,
   )
   kernel = functools.partial(
-      _decode_kernel, plgpu=plgpu, batch=b, s_q=s_q, h_q=h_q, tiles=tiles,
+      _decode_kernel, plgpu=plgpu, s_q=s_q, h_q=h_q, tiles=tiles,
       num_blocks=num_blocks, num_splits=num_splits, causal=causal, scale=sm_scale * LOG2E,
       registers=(config.consumer_registers, config.producer_registers))
 
@@ -316,7 +355,7 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       # is blockIdx.x): they read the same cache blocks, which L2 then serves once.
       grid=(b, num_splits, tiles), grid_names=("b", "s", "t"), num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(seq, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK), tail)
+  )(seq, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK))
   out = out.reshape(num_splits, b, padded, D_NOPE)[:, :, :q_rows]
   lse = lse[..., :rows].reshape(num_splits, b, padded)[:, :, :q_rows]
   if num_splits == 1:
