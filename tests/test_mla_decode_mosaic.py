@@ -118,17 +118,18 @@ def test_small_heads_span_tokens(causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q,num_kv_splits", [(16, 1), (8, 3), (32, None), (48, 1), (100, 2)])
-def test_transposed_edge_lengths(h_q, num_kv_splits):
-  # Rows not a multiple of 64: the transposed kernel (tiles of 16 or 32 rows; 48 and 100
-  # heads take two and four tiles with zero padding rows).
+def test_transposed_and_padded_edge_lengths(h_q, num_kv_splits):
+  # Rows not a multiple of 64: 8, 16 and 32 on the transposed kernel (one tile of 16 or
+  # 32 rows), 48 and 100 in 64-row tiles whose last one has zero padding rows.
   args = _shared_case(np.random.default_rng(20 + h_q), h_q, EDGE_LENGTHS, bad_id_at=(5, 1))
   _check(args, num_kv_splits=num_kv_splits)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("s_q,h_q,num_kv_splits", [(2, 16, 1), (3, 40, 2), (2, 24, 3)])
-def test_transposed_causal_tiles_span_tokens(s_q, h_q, num_kv_splits):
-  # Transposed tiles holding rows of two query tokens, each masked at its own length.
+def test_causal_tiles_span_tokens(s_q, h_q, num_kv_splits):
+  # Tiles holding rows of two query tokens, each masked at its own length: transposed
+  # (2 x 16 rows), padded 64-row tiles (3 x 40, 2 x 24 rows).
   args = _case(np.random.default_rng(30 + h_q), s_q, h_q, [0, 1, 2, 65, 130, 511])
   _check(args, causal=True, num_kv_splits=num_kv_splits)
 
@@ -225,8 +226,9 @@ def test_mosaic_is_refused_where_it_cannot_run():
       mla_decode_paged(q, cache, bt, sl, implementation="mosaic")
 
 
-@pytest.mark.parametrize("s_q,h_q,tiles", [(1, 128, (2, 64)), (4, 16, (1, 64)), (1, 16, (1, 16)),
-                                           (1, 8, (1, 16)), (2, 24, (2, 32)), (1, 100, (4, 32))])
+@pytest.mark.parametrize("s_q,h_q,tiles", [
+    (1, 128, (2, 64)), (4, 16, (1, 64)), (1, 16, (1, 16)), (1, 8, (1, 16)), (1, 20, (1, 32)),
+    (2, 16, (1, 32)), (2, 24, (1, 64)), (1, 48, (1, 64)), (1, 100, (2, 64))])
 def test_row_tiles(s_q, h_q, tiles):
-  """64-row tiles where they divide a request's rows, else transposed tiles of <= 32."""
+  """Up to 32 rows: one transposed tile; more: 64-row tiles, the last one padded."""
   assert mosaic.row_tiles(s_q, h_q) == tiles

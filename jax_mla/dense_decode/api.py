@@ -222,8 +222,8 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
       ``checkify.checkify``): ``0 <= cache_seqlens <= max_blocks * block_size`` and
       the block ids each sequence uses inside ``[0, num_blocks)``.
     implementation: ``"triton"`` (old name ``"pallas"``), ``"mosaic"`` (Pallas Mosaic
-      GPU, Hopper: block size 64; a request's ``s_q * h_q`` rows in tiles of 64, or
-      transposed tiles of at most 32 where 64 does not divide them), ``"xla"`` (the
+      GPU, Hopper: block size 64; a request's ``s_q * h_q`` query rows in one
+      transposed tile when at most 32, else in 64-row tiles), ``"xla"`` (the
       reference), or
       ``None``: Mosaic GPU on a Hopper GPU for the shapes it takes, else Triton on
       GPU, else the reference.
