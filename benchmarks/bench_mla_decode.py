@@ -218,13 +218,16 @@ def memcheck_case():
   q, cache, bt, seqs = _paged_inputs(jax.random.PRNGKey(3), 3, 2, 16, 200, 64, varlen=True,
                                      nan_tail=True)
   bt = bt.at[:, -1].set(2147480000)
-  o, _ = mla_decode_paged(q, cache, bt, seqs, causal=True)
+  o, _ = mla_decode_paged(q, cache, bt, seqs, causal=True)  # 32 rows: transposed (Hopper)
+  q48 = jnp.concatenate([q, q[:, :, :8]], axis=2)  # 2 x 24 rows: a padded 64-row tile
+  o48, _ = mla_decode_paged(q48, cache, bt, seqs, causal=True)
   q1 = q.reshape(6, 16, D)
   o2, _ = mla_decode(q1, cache.reshape(-1, 1, D), jnp.array([0, 2, 4, 6], jnp.int32),
                      jnp.array([0, 50, 60, 200], jnp.int32), jnp.arange(200, dtype=jnp.int32),
                      jnp.ones(3, jnp.int32), max_seqlen_q=2, num_kv_splits=3)
-  jax.block_until_ready((o, o2))
-  print("memcheck case finite:", bool(jnp.isfinite(o.astype(jnp.float32)).all()))
+  jax.block_until_ready((o, o48, o2))
+  print("memcheck case finite:", all(bool(jnp.isfinite(x.astype(jnp.float32)).all())
+                                     for x in (o, o48)))
 
 
 def main():

@@ -1,10 +1,10 @@
 """Sparse MLA prefill and decode on the Mosaic GPU kernel vs the jax.numpy reference.
 
 Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
-(``@pytest.mark.gpu``); the input checks run anywhere. Head counts that are multiples
-of 64 run the head-block kernel (mosaic.py); the others (8, 16, 24, 48, ...) the
-transposed one (mosaic_transposed.py), with padded heads in the last block when
-``h_q`` is not a multiple of 16.
+(``@pytest.mark.gpu``); the input checks run anywhere. Head counts up to 32 that are
+not 64 (8, 16, 20, 24, 32) run the transposed kernel (mosaic_transposed.py), padded to
+a multiple of 16; the others the head-block kernel (mosaic.py), padded to a multiple
+of 64 (48, 100).
 """
 
 import dataclasses
@@ -116,7 +116,8 @@ DECODE_CASES = [
     ("fp8_model1", 3, 2, 128, 130, 3, 256, True, True, (200, 12, 64)),
     ("fp8_model1", 4, 2, 64, 19, 30, 2, False, True, (150, 3, 64)),
     ("fp8_model1", 2, 1, 128, 64, 2, 64, True, False, (65, 2, 128)),
-    # The transposed kernel: TP head counts, and one that pads (20 -> 32).
+    # The transposed kernel: TP head counts, and one that pads (20 -> 32); 48 heads
+    # pad to the head-block kernel's 64.
     ("fp8_ds_mla", 3, 2, 16, 200, 11, 64, True, True, None),
     ("fp8_ds_mla", 2, 2, 8, 130, 10, 61, False, False, None),
     ("fp8_model1", 3, 2, 16, 130, 3, 256, True, True, (200, 12, 64)),
@@ -156,9 +157,10 @@ def test_transposed_tiles(h_q, blocks):
   assert _mosaic.transposed_tiles(h_q) == blocks
 
 
-@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512)])
+@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512), (48, 576)])
 def test_prefill_kernels_lower(h_q, d_qk):
-  """The prefill kernels (head-block and transposed) lower for CUDA; runs without a GPU."""
+  """The prefill kernels (head-block, transposed, head-block padded from 48 heads) lower
+  for CUDA; runs without a GPU."""
   s_q = 3
   s = jax.ShapeDtypeStruct
   config = mosaic.default_config(None, h_q)

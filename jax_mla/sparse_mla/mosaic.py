@@ -16,9 +16,13 @@ stages in turns:
   (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
   of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
   split each step's gather between their producers.
-- any other ``h_q`` (:mod:`.mosaic_transposed`): up to 32 heads per CTA with the keys
-  on the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
+- ``h_q`` up to 32 (:mod:`.mosaic_transposed`): one CTA per token with the keys on
+  the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
   spent on a head that is not there.
+- any other ``h_q``: padded with zero queries (``-inf`` sinks) to a multiple of 64 for
+  the head-block kernel. Each CTA gathers all of its token's rows, so fewer CTAs gather
+  less (H100, fp8_ds_mla b128 s_q 2 topk 2048: h 48 in two transposed 32-head CTAs
+  472.7 us, padded to one 64-head CTA 255.6 us; h 32 transposed 252.7 us).
 
 Shapes: any ``h_q``; everything else the public functions take: prefill ``d_qk`` 576
 or 512, decode in every cache format, with or without the extra set.
@@ -35,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic
-from jax_mla._common import LOG2E
+from jax_mla._common import LOG2E, cdiv
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format
 from jax_mla.sparse_mla import mosaic_transposed
@@ -75,7 +79,7 @@ class Config:
       for registers nobody frees (a hang seen with 224 / 64).
     producers: producer warpgroups, each gathering every ``producers``-th step (its own
       step's loads in flight); 2 needs ``num_stages`` 2 and the transposed kernel (``h_q``
-      not a multiple of 64), whose consumers need fewer registers.
+      up to 32, see :func:`transposed`), whose consumers need fewer registers.
     pair: head-block kernel, quantized caches, ``h_q`` a multiple of 128 (ignored
       otherwise): the two head blocks of a token run as a 2-CTA cluster and each
       gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
@@ -104,6 +108,12 @@ class Config:
           f"{self.producer_registers}")
 
 
+def transposed(h_q: int) -> bool:
+  """Whether ``h_q`` heads run on the transposed kernel (else on the head-block one,
+  padded to a multiple of 64)."""
+  return h_q % BLOCK_H != 0 and h_q <= _mosaic.TRANSPOSED_MAX_ROWS
+
+
 def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows; a decode's
   main set decides for its extra set, which is quantized too when the main set is) and
@@ -123,7 +133,7 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   fp8_ds_mla b128 is slower with it (532 vs 477 us: its 656-byte rows, RoPE included,
   then go through registers twice), so it stays off there.
   """
-  if h_q % BLOCK_H:
+  if transposed(h_q):
     return Config(consumer_registers=176, producer_registers=152)
   if dequantized(fmt):
     return Config(consumer_registers=208, producer_registers=88,
@@ -235,9 +245,17 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   topk]``. Returns
   ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
-  if q.shape[1] % BLOCK_H:
+  h_q = q.shape[1]
+  if transposed(h_q):
     return mosaic_transposed.attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
                                     config=config)
+  if h_q % BLOCK_H:  # zero queries with -inf sinks in the padding heads, dropped after
+    pad = cdiv(h_q, BLOCK_H) * BLOCK_H - h_q
+    sink = None if attn_sink is None else jnp.pad(attn_sink.astype(jnp.float32), (0, pad),
+                                                  constant_values=-jnp.inf)
+    out, max_logits, lse = attend(jnp.pad(q, ((0, 0), (0, pad), (0, 0))), sets, sink,
+                                  fmts=fmts, sm_scale=sm_scale, config=config)
+    return out[:, :h_q], max_logits[:, :h_q], lse[:, :h_q]
   if config.producers != 1:
     raise ValueError(f"the Mosaic GPU kernel for h_q a multiple of {BLOCK_H} runs one "
                      f"producer; got Config(producers={config.producers})")

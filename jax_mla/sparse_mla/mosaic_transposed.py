@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU sparse MLA kernel for head counts that are not a multiple of 64.
+"""Pallas Mosaic GPU sparse MLA kernel for up to 32 heads (not a multiple of 64).
 
 Tensor parallelism leaves a GPU 8, 16 or 32 of DeepSeek's 128 query heads. A wgmma's M
 side is 64 rows, so putting the heads there (:mod:`.mosaic`) would spend 75% of the
@@ -128,7 +128,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
 
 def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
-  """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` not a multiple of 64."""
+  """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` up to 32."""
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
   blocks, heads = _mosaic.transposed_tiles(h_q)
