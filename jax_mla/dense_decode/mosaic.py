@@ -20,13 +20,13 @@ Unwritten cache slots may hold NaN, and ``0 * NaN`` is NaN, so none reaches the
 products: the producer loads a request's partial last block onto its own barrier,
 waits for it and zeroes the rows past the sequence in shared memory before it
 hands the stage over (:func:`_zero_rows`); an invalid block id loads nothing and
-hands over a zeroed stage. Their scores are masked to ``-inf`` as well. (A
-zero-padded copy of every request's last block made by XLA before the kernel cost
-24-33 us a call at b 132, 5-8% of the rows below.)
+hands over a zeroed stage. Their scores are masked to ``-inf`` as well. (Before, an
+XLA pass copied every request's last block, zero-padded, ahead of the kernel: 24-35 us
+a call at b 128-132; without it the rows ran 1-2% faster on an H100.)
 
-On an H100 (jax 0.11.2) the b128 s_q1 h128 seqlen-4096 row runs at 350-370
-TFLOP/s (the Triton kernel: 153-157). Tried and dropped, as they timed the
-same within noise: FlashAttention-3 ping-pong ordering of the two consumers,
+On an H100 (jax 0.11.2) the b128 s_q1 h128 seqlen-4096 row ran at 350-370 TFLOP/s
+(the Triton kernel: 153-157), and at 426-440 on 2026-11-25. Tried and dropped, as they
+timed the same within noise: FlashAttention-3 ping-pong ordering of the two consumers,
 and masking only the blocks that need it (a uniform ``lax.cond``). Splitting
 KV for that row (512 CTAs) was 5% slower. Computing ``S`` once and sharing ``P``
 through SMEM (FlashMLA's split; before, both consumers computed ``S``, a third of the
@@ -143,7 +143,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       if not per_row:
         return lambda s: jnp.where(key < lim - base, s, -jnp.inf)
       # Token of each row: the first row's, plus one per token boundary crossed (a tile
-      # spans at most `spans` boundaries).
+      # of `rows` rows crosses at most (h_q + rows - 2) // h_q of them).
       row = iota(1 - key_axis) + first_row
       token0 = lax.div(first_row, h_q)
       token = token0
