@@ -30,3 +30,32 @@ def test_bench_smoke_runs_every_module(tmp_path):
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   assert f"from {len(modules)} of {len(modules)} modules" in proc.stdout
   assert (tmp_path / "results.json").exists()
+
+
+def test_paged_side_by_side_reaches_the_seed_launcher(monkeypatch):
+  """bench_paged_attention's side-by-side rows with a stand-in for the seed launcher
+  (benchmarks/seed_paged_peer.py needs torch's Triton on a GPU): the launcher gets every
+  set's arrays as torch tensors in the seed's order, with the row's scales, sinks and
+  window; its output is checked against ours before both are timed."""
+  pytest.importorskip("torch")
+  from benchmarks import bench_paged_attention, harness, seed_paged_peer
+  from jax_mla.paged import paged_attention
+  from torch_bridge import to_jax, to_torch
+
+  seen = []
+
+  def launch(q, kc, vc, bt, sl, *, scale, k_scale, v_scale, sinks=None, sliding_window=0):
+    seen.append((tuple(kc.shape), tuple(vc.shape), sinks is not None, sliding_window, k_scale))
+    out = to_torch(paged_attention(
+        to_jax(q), to_jax(kc), to_jax(vc), to_jax(bt), to_jax(sl), scale=scale,
+        k_scale=k_scale, v_scale=v_scale, sinks=None if sinks is None else to_jax(sinks),
+        sliding_window=sliding_window, implementation="xla"))
+    return lambda: out
+
+  monkeypatch.setattr(seed_paged_peer, "load", lambda: launch)
+  monkeypatch.setattr(harness, "SMOKE", True)
+  w = bench_paged_attention.Workload("stand-in", 2, 64, window=32, sinks=True)
+  rows = bench_paged_attention.run([w], only_side_by_side=True)
+  assert [r.op for r in rows] == ["paged_attention vs seed"] * 2
+  assert {r.anchor_name for r in rows} == {seed_paged_peer.NAME}
+  assert seen and all(s == ((8, 8, 16, 16, 8), (8, 8, 128, 16), True, 32, 1.0) for s in seen)
