@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ class Case:
   h_q: int
   seqlen: int
   block_size: int
-  anchor: float  # FlashMLA, in `unit`
+  anchor: float | None  # FlashMLA, in `unit` (None: not an anchor row)
   unit: str  # "TFLOP/s" for the compute-bound rows, "TB/s" for the memory-bound one
 
 
@@ -120,6 +121,10 @@ CASES = [  # FlashMLA dense decode bf16 (RESULTS.md, "Anchors", 2026-11-22 editi
     Case("b128 s_q1 h128 len4096 bs64", 128, 1, 128, 4096, 64, 554.0, "TFLOP/s"),
     Case("b64 s_q2 h128 len8192 bs64", 64, 2, 128, 8192, 64, 628.0, "TFLOP/s"),
     Case("b132 s_q1 h16 len8192 bs64", 132, 1, 16, 8192, 64, 2.75, "TB/s"),
+    # Tensor-parallel head counts (issue #17): one transposed tile (32) and one padded
+    # 64-row tile (48) a request.
+    Case("b132 s_q1 h32 len8192 bs64", 132, 1, 32, 8192, 64, None, "TB/s"),
+    Case("b132 s_q1 h48 len8192 bs64", 132, 1, 48, 8192, 64, None, "TB/s"),
 ]
 
 
@@ -148,23 +153,23 @@ def side_by_side(fm, case: Case, sets, figure) -> Row:
              figure(peer_us), flashmla_peer.NAME, device_name())
 
 
-def run(cases=CASES, *, only_side_by_side: bool = False) -> list[Row]:
+def run(cases=CASES, *, only_side_by_side: bool = False) -> Iterator[Row]:
   """The FlashMLA dense-decode anchor rows through the public ``mla_decode_paged``, once
   per GPU kernel that takes the row (Triton; Mosaic GPU on Hopper). Where FlashMLA
   imports (benchmarks/flashmla_peer.py), each row is also timed side by side with it
-  (``only_side_by_side``: only that)."""
+  (``only_side_by_side``: only that). Rows are yielded as they are measured, so
+  a run cut at its budget keeps them."""
   dev = device_name()
   fm = flashmla_peer.load()
   if only_side_by_side and fm is None:
     raise RuntimeError("side by side needs FlashMLA: put its built package on PYTHONPATH")
-  rows = []
   for case in cases:
     sets, flops, kv_bytes = _case_sets(case)
 
     def figure(us, case=case, flops=flops, kv_bytes=kv_bytes):
       return flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
     if fm is not None:
-      rows.append(side_by_side(fm, case, sets, figure))
+      yield side_by_side(fm, case, sets, figure)
     if only_side_by_side:
       continue
     ref = mla_decode_paged(*sets[0], implementation="xla")
@@ -175,10 +180,9 @@ def run(cases=CASES, *, only_side_by_side: bool = False) -> list[Row]:
       fn = jax.jit(functools.partial(mla_decode_paged, implementation=impl))
       check_close(f"mla_decode_paged[{impl}] {case.name}", fn(*sets[0])[0], ref[0])
       us = time_us(fn, sets)
-      rows.append(Row(f"mla_decode_paged[{impl}]", case.name, us, figure(us), case.unit,
-                      case.anchor, "FlashMLA", dev))
+      yield Row(f"mla_decode_paged[{impl}]", case.name, us, figure(us), case.unit,
+                case.anchor, "FlashMLA", dev)
     del sets, ref
-  return rows
 
 
 def sweep(cases=CASES):
@@ -245,7 +249,7 @@ def main():
   ok = True if args.skip_check or args.side_by_side else correctness()
   if args.sweep:
     sweep()
-  print_table(run(only_side_by_side=args.side_by_side))
+  print_table(list(run(only_side_by_side=args.side_by_side)))
   return 0 if ok else 1
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -104,16 +105,16 @@ def reference(w: Workload, args, n=4):
                          sliding_window=w.window, implementation="xla")
 
 
-def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> list[Row]:
+def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> Iterator[Row]:
   """Each workload through the public op, checked on its first sequences, then timed:
   one row against the seed Triton time, one against copy bandwidth. Where torch's Triton
   runs the seed kernel (:mod:`benchmarks.seed_paged_peer`), each row is also timed side
-  by side with it (``only_side_by_side``: only that)."""
+  by side with it (``only_side_by_side``: only that). Rows are yielded as they are measured, so
+  a run cut at its budget keeps them."""
   dev = device_name()
   seed = seed_paged_peer.load()
   if only_side_by_side and seed is None:
     raise RuntimeError("side by side needs a CUDA torch with Triton")
-  rows = []
   for w in workloads:
     args = make_inputs(w.num_seqs, w.seq_len, fp8=w.fp8)
     fn = public_fn(w)
@@ -126,20 +127,19 @@ def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> list[Row]:
       us, seed_us = seed_paged_peer.compare_and_time(
           config, jax.jit(fn), sets, seed, use_sinks=w.sinks, scale=args[0].shape[-1] ** -0.5,
           k_scale=w.k_scale, v_scale=w.k_scale, sliding_window=w.window)
-      rows.append(Row("paged_attention vs seed", config, us, us, "us", seed_us,
-                      seed_paged_peer.NAME, dev))
-      rows.append(Row("paged_attention vs seed", f"{config} (K+V bandwidth)", us,
-                      kv_bytes / us / 1e6, "TB/s", kv_bytes / seed_us / 1e6,
-                      seed_paged_peer.NAME, dev))
+      yield Row("paged_attention vs seed", config, us, us, "us", seed_us,
+                seed_paged_peer.NAME, dev)
+      yield Row("paged_attention vs seed", f"{config} (K+V bandwidth)", us,
+                kv_bytes / us / 1e6, "TB/s", kv_bytes / seed_us / 1e6,
+                seed_paged_peer.NAME, dev)
     if only_side_by_side:
       continue
     us = time_us(fn, sets)
     if w.seed_us is not None:
-      rows.append(Row("paged_attention", config, us, us, "us", w.seed_us, "seed Triton", dev))
-    rows.append(Row("paged_attention", f"{config} (K+V bandwidth)", us, kv_bytes / us / 1e6,
-                    "TB/s", COPY_TBS, "D2D copy", dev))
+      yield Row("paged_attention", config, us, us, "us", w.seed_us, "seed Triton", dev)
+    yield Row("paged_attention", f"{config} (K+V bandwidth)", us, kv_bytes / us / 1e6,
+              "TB/s", COPY_TBS, "D2D copy", dev)
     del args, sets
-  return rows
 
 
 def sweep(workloads=WORKLOADS[:3]):
@@ -179,8 +179,8 @@ def main():
   if a.sweep:
     sweep()
   names = [n for n in a.rows.split(",") if n]
-  print_table(run([w for w in WORKLOADS if not names or w.name in names],
-                  only_side_by_side=a.side_by_side))
+  print_table(list(run([w for w in WORKLOADS if not names or w.name in names],
+                       only_side_by_side=a.side_by_side)))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def test_paged_side_by_side_reaches_the_seed_launcher(monkeypatch):
   monkeypatch.setattr(seed_paged_peer, "load", lambda: launch)
   monkeypatch.setattr(harness, "SMOKE", True)
   w = bench_paged_attention.Workload("stand-in", 2, 64, window=32, sinks=True)
-  rows = bench_paged_attention.run([w], only_side_by_side=True)
+  rows = list(bench_paged_attention.run([w], only_side_by_side=True))
   assert [r.op for r in rows] == ["paged_attention vs seed"] * 2
   assert {r.anchor_name for r in rows} == {seed_paged_peer.NAME}
   assert seen and all(s == ((8, 8, 16, 16, 8), (8, 8, 128, 16), True, 32, 1.0) for s in seen)
