@@ -109,8 +109,8 @@ def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> Iterator[Row
   """Each workload through the public op, checked on its first sequences, then timed:
   one row against the seed Triton time, one against copy bandwidth. Where torch's Triton
   runs the seed kernel (:mod:`benchmarks.seed_paged_peer`), each row is also timed side
-  by side with it (``only_side_by_side``: only that). Rows are yielded as they are measured, so
-  a run cut at its budget keeps them."""
+  by side with it (``only_side_by_side``: only that). Rows are yielded as they are
+  measured, so a run cut at its budget keeps them."""
   dev = device_name()
   seed = seed_paged_peer.load()
   if only_side_by_side and seed is None:
