@@ -29,6 +29,12 @@ def plgpu():
   return mosaic_gpu
 
 
+def swizzled(plgpu_mod):
+  """The transforms of a 2-byte (bf16/fp16) SMEM tile in the 128-byte-swizzled wgmma
+  layout: 8-row x 64-column (128-byte) tiles."""
+  return (plgpu_mod.TilingTransform((8, 64)), plgpu_mod.SwizzleTransform(128))
+
+
 def row_layout(plgpu_mod):
   """Layout of a per-row vector reduced from a WGMMA-layout tile (name varies by jax)."""
   wgmma = plgpu_mod.Layout.WGMMA

@@ -189,7 +189,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(h * HALF, HALF)], q_nope.at[h], q_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(D_NOPE, D_ROPE)], q_rope, q_bar)
     zero_rows = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),) + (plgpu.RefType(_swizzled(plgpu)),) * 2)(_zero_rows)
+        arg_types=(plgpu.RefType(),) + (plgpu.RefType(_mosaic.swizzled(plgpu)),) * 2)(_zero_rows)
 
     @pl.loop(0, steps)
     def _(i):
@@ -226,10 +226,6 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
         plgpu.commit_smem()  # the zeros are read by wgmma (the async proxy)
         for _ in range(3):  # the stage barrier counts three copies
           plgpu.barrier_arrive(kv_bar.at[slot])
-
-
-def _swizzled(plgpu):
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _zero_rows(ctx, kept_ref, nope_ref, rope_ref):
@@ -329,7 +325,7 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   q = jnp.pad(q.reshape(b, q_rows, D_QK), ((0, 0), (0, padded - q_rows), (0, 0)))
   seq = jnp.clip(cache_seqlens, 0, max_blocks * PAGE)
 
-  swizzled = _swizzled(plgpu)
+  swizzled = _mosaic.swizzled(plgpu)
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, rows, NUM_STAGES)
   vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)
   smem = (

@@ -470,7 +470,7 @@ def _launch(plgpu, inputs, *, grad, q, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
   info = seq_info(cu_seqlens_q, cu_seqlens_k, num_q_tokens)
   rows_q = inputs[0].shape[0]
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  swizzled = _mosaic.swizzled(plgpu)
   tiles = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=swizzled)  # noqa: E731
   smem = (tiles(2, ROWS, d_v), tiles(2, ROWS, d_b) if d_b else None,
           tiles(num_stages, block_k, d_v), tiles(num_stages, block_k, d_b) if d_b else None,
@@ -765,7 +765,7 @@ def _launch_dkv(q_p, k_p, v_p, do_p, vec, *, q, k, v, cu_seqlens_q, cu_seqlens_k
   do_tail, _ = _tail_rows(do_p, cu_seqlens_q[-1], ROWS)
   end = jnp.stack([cu_seqlens_q[-1], tail8]).astype(jnp.int32)
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  swizzled = _mosaic.swizzled(plgpu)
   tiles = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=swizzled)  # noqa: E731
   smem = (tiles(ROWS, d_v), tiles(ROWS, d_b) if d_b else None, tiles(ROWS, d_v),
           tiles(num_stages, ROWS, d_v), tiles(num_stages, ROWS, d_b) if d_b else None,

@@ -53,7 +53,6 @@ from jax_mla.sparse_mla.mosaic_gather import (
   init_pair,
   kernel_inputs,
   produce,
-  swizzled,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -266,7 +265,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
 
-  tiles = swizzled(plgpu)
+  tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages)
   smem = (

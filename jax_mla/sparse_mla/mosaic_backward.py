@@ -47,7 +47,6 @@ from jax_mla.sparse_mla.mosaic_gather import (
   clean_indices,
   gather_fn,
   stage_fn,
-  swizzled,
   wait_copies_fn,
 )
 
@@ -82,7 +81,7 @@ def _kernel(q_ref, do_ref, vec_ref, len_ref, idx_ref, kv_ref, dq_ref, dkv_ref, s
       plgpu.copy_gmem_to_smem(q_ref.at[rows, pl.ds(D_MAIN, q_rope.shape[-1])], q_rope, q_bar)
     plgpu.copy_gmem_to_smem(vec_ref.at[t, :, pl.ds(hb * HEADS, HEADS)], vec_s, q_bar)
     stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(stage_fn)
-    swizzled_ref = plgpu.RefType(swizzled(plgpu))
+    swizzled_ref = plgpu.RefType(_mosaic.swizzled(plgpu))
     gather_call = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref)
         + (plgpu.RefType(),) * 3)(gather)
@@ -320,7 +319,7 @@ def _call(q, kv, indices, lengths, d_out, lse, coef, bias, *, sm_scale: float):
   rope = d_qk - D_MAIN
   gather = gather_fn(fmt=None, num_slots=s_kv, block_size=1, row_bytes=d_qk * 2, d_qk=d_qk)
 
-  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(plgpu))  # noqa: E731
+  tiles = lambda *shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=_mosaic.swizzled(plgpu))  # noqa: E731
   # The swizzled tiles first: each is 1024-byte aligned. 230,656 of the 232,448 bytes.
   compute = (tiles(2, HEADS, HALF), tiles(HEADS, rope) if rope else None,
              tiles(2, HEADS, HALF), tiles(2, BLOCK_K, HALF),

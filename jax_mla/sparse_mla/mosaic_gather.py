@@ -61,11 +61,6 @@ def dequantized(fmt: Format | None) -> bool:
   return isinstance(fmt, (DsMla, Model1, TileScaled))
 
 
-def swizzled(plgpu):
-  """The transforms of a bf16 SMEM tile in the 128-byte-swizzled wgmma layout."""
-  return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-
-
 def clean_indices(indices, lengths, num_slots):
   """``indices[T, topk]`` -> ``[T, topk padded to 64]`` with every unusable entry ``-1``."""
   topk = indices.shape[1]
@@ -135,7 +130,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
     for src, dst in q_copies:
       plgpu.copy_gmem_to_smem(src, dst, q_bar)
 
-  swizzled_ref = plgpu.RefType(swizzled(plgpu))
+  swizzled_ref = plgpu.RefType(_mosaic.swizzled(plgpu))
   arg_types = (plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref, plgpu.RefType(),
                plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * (pair is not None)
   paired = pair is not None

@@ -44,7 +44,6 @@ from jax_mla.sparse_mla.mosaic_gather import (
   first_steps,
   kernel_inputs,
   produce,
-  swizzled,
 )
 
 
@@ -140,7 +139,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   row = max(heads, _mosaic.MIN_VECTOR_ROW)
   sink = jnp.pad(sink, (0, h_pad - h_q + row - heads), constant_values=-jnp.inf)
 
-  tiles = swizzled(plgpu)
+  tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
   num_stages = config.num_stages
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, heads, num_stages)
