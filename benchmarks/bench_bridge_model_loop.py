@@ -9,7 +9,10 @@ weights. The attention is, per mode:
 * ``torch only``: no attention (the projections alone: the floor);
 * ``FlashMLA``: FlashMLA's ``flash_mla_with_kvcache`` (where ``flash_mla`` imports,
   benchmarks/flashmla_peer.py);
-* ``bridge``: ``torch_bridge.ops.flash_mla_with_kvcache``, the same call on jax_mla;
+* ``bridge``: ``torch_bridge.ops.flash_mla_with_kvcache``, the same call on jax_mla
+  (its Mosaic GPU kernel launched directly on torch's stream where it runs on Hopper);
+* ``bridge PJRT``: the same with direct launch off (``set_direct_launch(False)``):
+  DLPack hand-offs and a jitted dispatch per call;
 * ``JAX``: the same step written in JAX (``jax_mla.sparse_mla_decode`` and jnp
   projections, one jit per layer call): what the kernels cost without the bridge.
 
@@ -38,7 +41,7 @@ from benchmarks import flashmla_peer
 from benchmarks.harness import SMOKE, Row
 from jax_mla import sparse_mla_decode
 from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla
-from torch_bridge import ops, to_torch
+from torch_bridge import ops, set_direct_launch, to_torch
 
 H_Q, D_QK, D_V, BLOCK = 128, 576, 512, 64
 
@@ -115,6 +118,17 @@ def _jax_step(caches, indices, w_q, w_o, b):
   return step
 
 
+def _through_pjrt(step):
+  """``step`` with the bridge's direct launch off: every call dispatched through PJRT."""
+  def run(x, marks=None):
+    previous = set_direct_launch(False)
+    try:
+      return step(x, marks)
+    finally:
+      set_direct_launch(previous)
+  return run
+
+
 def _time_steps(step, x, sync, steps):
   for _ in range(3):
     step(x)
@@ -154,12 +168,14 @@ def measure(loop: Loop, steps=20, profile=False):
   storage, caches, indices, w_q, w_o, x = _inputs(loop, device)  # storage: the caches' memory
   b = loop.batch
   meta_bridge = [ops.get_mla_metadata()[0] for _ in caches]
+  bridge = _torch_step(
+      lambda layer, q: ops.flash_mla_with_kvcache(
+          q, caches[layer], None, None, D_V, meta_bridge[layer], is_fp8_kvcache=True,
+          indices=indices[layer])[0], caches, indices, w_q, w_o, b)
   modes = {
       "torch only": _torch_step(lambda layer, q: None, caches, indices, w_q, w_o, b),
-      "bridge": _torch_step(
-          lambda layer, q: ops.flash_mla_with_kvcache(
-              q, caches[layer], None, None, D_V, meta_bridge[layer], is_fp8_kvcache=True,
-              indices=indices[layer])[0], caches, indices, w_q, w_o, b),
+      "bridge": bridge,
+      "bridge PJRT": _through_pjrt(bridge),
   }
   fm = flashmla_peer.load()
   if fm is not None:
@@ -176,14 +192,14 @@ def measure(loop: Loop, steps=20, profile=False):
       continue
     issued, blocked_at = _host_issue_us(step, x)
     out[name] = (us, issued / loop.layers, blocked_at)
-    print(f"b {b:3d} {name:10s} {us:8.1f} us/layer  host {issued / loop.layers:7.1f} us/layer "
+    print(f"b {b:3d} {name:11s} {us:8.1f} us/layer  host {issued / loop.layers:7.1f} us/layer "
           f"{'(never blocked)' if blocked_at is None else f'(BLOCKED from layer {blocked_at})'}",
           flush=True)
   jstep = _jax_step(caches, indices, w_q, w_o, b)
   jx = jax.dlpack.from_dlpack(x)
   us = _time_steps(lambda x: jax.block_until_ready(jstep(x)), jx, lambda: None, steps)
   out["JAX"] = (us / loop.layers, None, None)
-  print(f"b {b:3d} {'JAX':10s} {us / loop.layers:8.1f} us/layer", flush=True)
+  print(f"b {b:3d} {'JAX':11s} {us / loop.layers:8.1f} us/layer", flush=True)
   if profile:
     prof = cProfile.Profile()
     prof.enable()
@@ -206,6 +222,8 @@ def run(batches=(4, 64)) -> list[Row]:
     bridge = res["bridge"][0]
     rows.append(Row("bridge model loop", f"b{b} vs JAX step", bridge, bridge, "us",
                     res["JAX"][0], "same step in JAX", dev))
+    rows.append(Row("bridge model loop", f"b{b} vs bridge through PJRT", bridge, bridge, "us",
+                    res["bridge PJRT"][0], "bridge, direct launch off", dev))
     if "FlashMLA" in res:
       rows.append(Row("bridge model loop", f"b{b} vs FlashMLA", bridge, bridge, "us",
                       res["FlashMLA"][0], flashmla_peer.NAME, dev))

@@ -1,7 +1,9 @@
 """torch bridge: zero-copy interop, torch-callable ops, FlashMLA drop-ins, library callers."""
 
+import ctypes
 import functools
 import importlib
+import math
 import sys
 import types
 
@@ -134,7 +136,7 @@ JAX_OPS = {
 
 
 def test_package_exports():
-  assert torch_bridge.__all__ == ["to_jax", "to_torch"]
+  assert torch_bridge.__all__ == ["set_direct_launch", "to_jax", "to_torch"]
   for module, names in JAX_OPS.items():
     for n in names:  # one wrapper per jax_mla op, with the op's signature and docs
       op = getattr(ops, n)
@@ -454,6 +456,97 @@ def test_copied_imports_are_not_reused():
 
 
 # ----------------------------------------------------------------------------
+# Direct launch (torch_bridge._direct): plans made from programs lowered for CUDA on
+# any machine, run here with a stand-in kernel that records what it is given.
+
+
+class _RecordingKernel:
+  """Stands in for a compiled Mosaic GPU module: records each launch's pointers and
+  fills every result buffer with byte ``FILL`` (CPU memory: the plan ran on CPU tensors)."""
+  FILL = 0x3F
+
+  def __init__(self, module, device):
+    assert module and device.type == "cpu"
+    self.launches, self.result_bytes = [], []
+
+  def launch(self, pointers, stream):
+    self.launches.append((pointers, stream))
+    for ptr, nbytes in zip(pointers[len(pointers) - len(self.result_bytes):], self.result_bytes,
+                           strict=True):
+      ctypes.memset(ptr, self.FILL, nbytes)
+
+
+def _decode_plan(b, h_q, topk, lengths=False, nb=4):
+  """The plan of the Mosaic GPU sparse decode program (fp8_ds_mla) on CPU tensors."""
+  pytest.importorskip("absl")
+  from jax_mla.cache.formats import resolve
+  from jax_mla.sparse_mla import api as sparse_api
+  from jax_mla.sparse_mla import mosaic
+  from torch_bridge import _direct
+  fmt = resolve("fp8_ds_mla")
+  decode = functools.partial(sparse_api._decode, fmt=fmt, extra_fmt=None, sm_scale=0.1, d_v=512,
+                             impl="mosaic", config=mosaic.default_config(fmt, h_q),
+                             interpret=False)
+  s = jax.ShapeDtypeStruct
+  structs = [s((b, 1, h_q, 576), jnp.bfloat16), s((nb, 64, 656), jnp.uint8),
+             s((b, 1, topk), jnp.int32)] + [s((b,), jnp.int32)] * lengths
+  _, block, treedef = _direct.lowered_main(
+      lambda q, c, i, *n: decode(q, c, i, *(n or [None]), None, None, None, None), structs, None)
+  return _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+
+
+def test_direct_plan_of_sparse_decode_is_one_kernel_on_the_callers_memory():
+  """The sparse decode's program (every entry counting, topk a multiple of 64) is one
+  kernel launch and nothing else: the kernel reads the caller's own q, cache and
+  indices; its lengths and sinks are constants made once; the outputs come back in
+  FlashMLA's shapes, written by the kernel."""
+  b, h_q, topk = 3, 64, 128
+  plan = _decode_plan(b, h_q, topk)
+  [step] = plan.kernels
+  kernel = step.kernel
+  kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
+  # out and lse are allocated as returned; max_logits, which the op drops, is scratch.
+  assert [kind for kind, _ in step.buffers] == ["alloc", "scratch", "alloc"]
+  assert plan.steps == [step]  # no torch op around the launch
+  q = torch.randn(b, 1, h_q, 576).bfloat16()
+  cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
+  idx = torch.randint(-1, 300, (b, 1, topk), dtype=torch.int32)
+  out, lse = plan([q, cache, idx], 7)
+  [(pointers, stream)] = kernel.launches
+  assert stream == 7 and len(pointers) == 5 + 3
+  lengths_ptr, q_ptr, sink_ptr, idx_ptr, cache_ptr = pointers[:5]
+  assert (q_ptr, idx_ptr, cache_ptr) == (q.data_ptr(), idx.data_ptr(), cache.data_ptr())
+  assert list((ctypes.c_int32 * b).from_address(lengths_ptr)) == [topk] * b
+  assert list((ctypes.c_float * h_q).from_address(sink_ptr)) == [-math.inf] * h_q
+  assert out.shape == (b, 1, h_q, 512) and out.dtype == torch.bfloat16
+  assert lse.shape == (b, h_q, 1) and lse.dtype == torch.float32
+  assert out.data_ptr() in pointers[5:] and lse.data_ptr() in pointers[5:]
+  assert (out.view(torch.uint8) == _RecordingKernel.FILL).all()
+  assert (lse.view(torch.uint8) == _RecordingKernel.FILL).all()
+  # A second call launches again, into new outputs, with the same constants.
+  out2, _ = plan([q, cache, idx], 8)
+  assert len(kernel.launches) == 2 and kernel.launches[1][0][:1] == [lengths_ptr]
+  assert out2.data_ptr() != out.data_ptr()
+
+
+@pytest.mark.parametrize(("topk", "lengths"), [(100, False), (128, True)])
+def test_direct_plan_refuses_programs_with_other_work(topk, lengths):
+  """A topk that is not a multiple of 64 or per-request lengths need the index pre-pass
+  (an XLA fusion): no plan, the call takes the PJRT path."""
+  from torch_bridge import _direct
+  with pytest.raises(_direct.Unsupported, match="op stablehlo"):
+    _decode_plan(2, 64, topk, lengths)
+
+
+def test_direct_launch_can_be_turned_off():
+  previous = torch_bridge.set_direct_launch(False)
+  try:
+    assert torch_bridge.set_direct_launch(True) is False
+  finally:
+    torch_bridge.set_direct_launch(previous)
+
+
+# ----------------------------------------------------------------------------
 # GPU: zero-copy on CUDA and stream ordering both ways.
 
 
@@ -580,3 +673,74 @@ def test_flashmla_dense_decode_and_sparse_prefill_match_jax_mla():
   assert rel_err(got[0], want[0]) < 1e-2
   for g, w in zip(got[1:], want[1:], strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------
+# GPU: direct launch (Mosaic GPU kernels on torch's stream, no PJRT).
+
+
+def _direct_decode_inputs(kv_cache_dtype, h_q, b=3, s_q=2, topk=256, nb=16):
+  """Torch CUDA tensors for a sparse decode: q, the cache in ``kv_cache_dtype`` and
+  indices with invalid (-1), out-of-range and all-invalid rows."""
+  k = jax.random.split(jax.random.key(5), 3)
+  d = 512 if kv_cache_dtype == "fp8_model1" else 576
+  latent = jax.random.normal(k[0], (nb, 64, d), jnp.bfloat16)
+  cache = {"fp8_ds_mla": jcache.quantize_fp8_ds_mla, "fp8_model1": jcache.quantize_fp8_model1_cache,
+           "auto": lambda x: x}[kv_cache_dtype](latent)
+  idx = jax.random.randint(k[1], (b, s_q, topk), -1, nb * 64 + 50, jnp.int32)
+  idx = idx.at[1, 0].set(-1)
+  q = jax.random.normal(k[2], (b, s_q, h_q, d), jnp.bfloat16)
+  return tuple(to_torch(a).to("cuda").clone() for a in (q, cache, idx))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kv_cache_dtype", "h_q"),
+                         [("fp8_ds_mla", 128), ("fp8_ds_mla", 16), ("fp8_model1", 64),
+                          ("auto", 48)])
+def test_direct_launch_matches_pjrt_and_the_reference(kv_cache_dtype, h_q, monkeypatch):
+  """The sparse decode launched directly on torch's stream: the same bits as the PJRT
+  path (the same kernel), and the reference's values."""
+  from torch_bridge import _direct
+  plans = []
+  run = _direct.Plan.__call__
+  monkeypatch.setattr(_direct.Plan, "__call__",
+                      lambda self, *a: plans.append(self) or run(self, *a))
+  q, cache, idx = _direct_decode_inputs(kv_cache_dtype, h_q)
+  kw = dict(kv_cache_dtype=kv_cache_dtype, sm_scale=q.shape[-1] ** -0.5)
+  assert torch_bridge.set_direct_launch(True)
+  out, lse = ops.sparse_mla_decode(q, cache, idx, **kw)
+  assert len(plans) == 1 and len(plans[0].kernels) == 1
+  torch_bridge.set_direct_launch(False)
+  try:
+    pjrt_out, pjrt_lse = ops.sparse_mla_decode(q, cache, idx, **kw)
+  finally:
+    torch_bridge.set_direct_launch(True)
+  assert len(plans) == 1
+  assert out.shape == pjrt_out.shape and lse.shape == pjrt_lse.shape
+  assert out.stride() == pjrt_out.stride() and lse.stride() == pjrt_lse.stride()
+  assert torch.equal(out, pjrt_out) and torch.equal(lse, pjrt_lse)
+  ref, ref_lse = sparse_mla.sparse_mla_decode(to_jax(q), to_jax(cache), to_jax(idx),
+                                              implementation="xla", **kw)
+  assert rel_err(to_jax(out), ref) < 1e-2
+  np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
+  assert torch.isinf(lse[1, :, 0]).all() and not out[1, 0].any()  # the row with no key
+
+
+@pytest.mark.gpu
+def test_direct_launch_is_ordered_by_torchs_stream_and_never_waits():
+  """On a side stream busy with a sleep and then the write of q, the launch reads the
+  written q, and the call returns while the stream is still busy."""
+  q, cache, idx = _direct_decode_inputs("fp8_ds_mla", 64, s_q=1)
+  kw = dict(kv_cache_dtype="fp8_ds_mla", sm_scale=0.05)
+  want = ops.sparse_mla_decode(q, cache, idx, **kw)  # also makes the plan
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    q_late = torch.zeros_like(q)
+    torch.cuda._sleep(200_000_000)
+    q_late.copy_(q)
+    got = ops.sparse_mla_decode(q_late, cache, idx, **kw)
+    busy = not side.query()
+  torch.cuda.synchronize()
+  assert busy
+  assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

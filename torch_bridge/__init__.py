@@ -5,6 +5,9 @@
 * ``torch_bridge.ops``: every jax_mla op taking and returning torch tensors, plus
   FlashMLA-compatible drop-ins (``flash_mla_sparse_fwd``,
   ``flash_mla_with_kvcache``, ``get_mla_metadata``).
+* ``set_direct_launch(enabled)``: on CUDA, ops whose program is Mosaic GPU kernels
+  plus views launch those kernels on torch's stream without PJRT (the default; see
+  ``torch_bridge.ops.torch_op``); off, every call goes through PJRT.
 * ``torch_bridge.flashmla`` / ``torch_bridge.aiter``: the installed FlashMLA
   (CUDA) or AITER (ROCm) kernels called on jax.Array inputs, with jax_mla's
   argument conventions, for one-to-one comparisons.
@@ -23,6 +26,7 @@ except ImportError as e:
       "(no CUDA libraries): pip install torch --index-url "
       "https://download.pytorch.org/whl/cpu") from e
 
+from torch_bridge._direct import set_enabled as set_direct_launch  # noqa: E402
 from torch_bridge._interop import to_jax, to_torch  # noqa: E402
 
-__all__ = ["to_jax", "to_torch"]
+__all__ = ["set_direct_launch", "to_jax", "to_torch"]

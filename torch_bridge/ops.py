@@ -34,7 +34,7 @@ import torch
 from jax_mla import cache, dense_decode, dense_prefill, indexing, merge, paged, sparse_mla
 from jax_mla.cache import api as cache_api
 from jax_mla.cache.formats import resolve
-from torch_bridge import _interop
+from torch_bridge import _direct, _interop
 
 _DYNAMIC = object()  # marks a tensor position in a call's static signature
 _TENSORS = (torch.Tensor, jax.Array)
@@ -84,6 +84,14 @@ class _Signature:
     self.names = tuple(params[i] if i < len(params) else f"args[{i}]"
                        for i in self.positions) + self.keywords
     self.jits: dict = {}
+    self.plans: dict = {}  # (device, shapes and dtypes) -> _direct.Plan, or the refusal
+
+  def bind(self, *dyn):
+    """The op applied to the call's tensors ``dyn`` with this signature's static values."""
+    it = iter(dyn)
+    args = [next(it) if s is _DYNAMIC else s for s in self.spec]
+    kwargs = {k: (next(it) if v is _DYNAMIC else v) for k, v in self.kw_spec}
+    return self.fn(*args, **kwargs)
 
   def jit(self, device: jax.Device | None):
     """The jitted op for tensors on ``device`` (``None``: JAX's default placement)."""
@@ -93,22 +101,34 @@ class _Signature:
     return f
 
   def _build(self, device):
-    fn, spec, kw_spec = self.fn, self.spec, self.kw_spec
-
     def call(fence, *dyn):
       del fence  # only its definition event matters (see torch_op)
-      it = iter(dyn)
-      args = [next(it) if s is _DYNAMIC else s for s in spec]
-      kwargs = {k: (next(it) if v is _DYNAMIC else v) for k, v in kw_spec}
       if device is None:
-        return fn(*args, **kwargs)
+        return self.bind(*dyn)
       # Traced under the tensors' device, so implementation=None picks by where they
       # live (torch CPU tensors on a GPU machine run the reference on the CPU). Only
       # the trace pays for this: each device has its own jit.
       with jax.default_device(device):
-        return fn(*args, **kwargs)
+        return self.bind(*dyn)
     # keep_unused: the fence must reach the executable, which waits for it.
     return jax.jit(call, keep_unused=True)
+
+  def plan(self, tensors: list) -> _direct.Plan | None:
+    """The direct-launch plan for CUDA ``tensors`` (None: the op takes the PJRT path).
+    Made on the first call with these shapes and dtypes; a refusal is kept too."""
+    device = tensors[0].device
+    for t in tensors:
+      if not isinstance(t, torch.Tensor) or t.device != device or not t.is_contiguous():
+        return None  # jax.Arrays, mixed devices, strides: the PJRT path (and its errors)
+    key = (device, *[(t.shape, t.dtype) for t in tensors])
+    plan = self.plans.get(key)
+    if plan is None:
+      try:
+        plan = _direct.make_plan(self.bind, tensors, _interop.jax_device(tensors[0]))
+      except (_direct.Unsupported, KeyError) as e:  # KeyError: a dtype JAX cannot take
+        plan = _direct.Unsupported(str(e))
+      self.plans[key] = plan
+    return plan if isinstance(plan, _direct.Plan) else None
 
 
 def torch_op(fn: Callable) -> Callable:
@@ -116,14 +136,21 @@ def torch_op(fn: Callable) -> Callable:
 
   The wrapper has the op's signature and documentation. Tensor arguments (torch
   tensors, or jax.Arrays passed through) are dynamic;
-  every other argument is static and compiled in. One ``jax.jit`` of ``fn`` is
-  kept per static signature and device; jit caches its executable per shape and dtype.
-  On CUDA, the executable waits for torch's current stream when that stream has
-  unfinished work, and torch's current stream waits (on the GPU) for the results.
-  A tensor seen in an earlier call reuses its imported view while it lives.
+  every other argument is static and compiled in.
+
+  On CUDA, where the op's program for the call's shapes is Mosaic GPU kernels plus
+  views and constants (e.g. the sparse MLA decode and prefill without lengths), the
+  kernels are launched on torch's current stream without PJRT (:mod:`._direct`: one
+  plan per static signature, shapes and dtypes; outputs allocated by torch). Otherwise
+  one ``jax.jit`` of ``fn`` is kept per static signature and device (jit caches its
+  executable per shape and dtype); on CUDA the executable waits for torch's current
+  stream when that stream has unfinished work, torch's current stream waits (on the
+  GPU) for the results, and a tensor seen in an earlier call reuses its imported view
+  while it lives.
 
   A repeated call does no per-argument validation beyond one dictionary lookup of its
-  static signature and, per tensor, the device check and the import-cache lookup.
+  static signature and, per tensor, the device and layout checks and the plan (or
+  import-cache) lookup.
   """
   params = tuple(inspect.signature(fn).parameters)
   signatures: dict = {}
@@ -145,9 +172,13 @@ def torch_op(fn: Callable) -> Callable:
       out = sig.jit(_array_device(tensors[0]) if tensors else None)(None, *tensors)
       leaf = jax.tree_util.tree_leaves(out)
       return _export_tree(out, _interop.array_stream(leaf[0]) if leaf else None)
+    stream = _interop.torch_stream(first)
+    if stream is not None and _direct.enabled() and first is tensors[0]:
+      plan = sig.plan(tensors)
+      if plan is not None:
+        return plan(tensors, stream.cuda_stream)
     device = _interop.jax_device(first)
     torch_device = first.device
-    stream = _interop.torch_stream(first)
     # JAX must not read before torch's queued work ends. If torch's stream is idle
     # there is nothing to wait for; otherwise JAX's ready-event stream waits for it
     # and one buffer of the call (the first newly imported tensor, else a fence

@@ -241,7 +241,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
   block_size, width]`` holds bf16 latents or the bytes of its format in ``fmts`` (one
   per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
-  topk]``. Returns
+  topk]``, and None means the whole ``topk``. Returns
   ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
   h_q = q.shape[1]
@@ -331,7 +331,8 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_supported`.
 
   ``q[T, h_q, d_qk]`` (batch and query position flattened); ``sets`` one or two
-  ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T])``,
+  ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T] or
+  None)``,
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
   lse)`` over ``T``.
   """

@@ -25,9 +25,9 @@ producer then gathers half of every step's rows and stores them into both CTAs' 
 (``st.async``, counted by a per-stage mbarrier, :func:`init_pair`), so a row is
 loaded and dequantized once per token, not once per head block.
 
-The wrappers fold ``topk_length`` and out-of-range indices into ``-1`` and pad each
-set's ``topk`` to a multiple of 64 (:func:`clean_indices`), so the kernels only test
-``index >= 0``.
+The gather refuses slots outside the cache itself. Where a set has lengths or a
+``topk`` that is not a multiple of 64, the wrappers also fold positions past the
+length into ``-1`` and pad ``topk`` to a multiple of 64 (:func:`clean_indices`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from jax_mla.cache import e2m1
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format, TileScaled
 from jax_mla.cache.model1 import Model1
-from jax_mla.sparse_mla.layout import valid_slots
+from jax_mla.sparse_mla.layout import token_lengths, valid_slots
 
 BLOCK_K = 64  # gathered key rows per pipeline step
 HALF = 256  # columns of one half of the 512 main columns (wgmma N <= 256)
@@ -71,14 +71,22 @@ def clean_indices(indices, lengths, num_slots):
 
 def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
-  indices[T, topk], lengths[T])`` in formats ``fmts``: ``(gathers, lengths[num_sets, T]
-  clipped to [0, topk], cleaned indices, cache rows)``. ``pair``: see :func:`gather_fn`."""
+  indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
+  ``fmts``: ``(gathers, lengths[num_sets, T] clipped to [0, topk], cleaned indices,
+  cache rows)``. ``pair``: see :func:`gather_fn`."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
     num_slots = num_blocks * block_size
-    lengths = jnp.clip(lengths, 0, indices.shape[1])
-    all_indices.append(clean_indices(indices, lengths, num_slots))
+    tokens, topk = indices.shape
+    if lengths is None and topk % BLOCK_K == 0:
+      # Every entry counts and no step is partial: the gather itself refuses slots
+      # outside the cache, so the indices go in as they are (no XLA pre-pass).
+      lengths = jnp.full((tokens,), topk, jnp.int32)
+    else:
+      lengths = jnp.clip(token_lengths(indices, lengths), 0, topk)
+      indices = clean_indices(indices, lengths, num_slots)
+    all_indices.append(indices)
     all_lengths.append(lengths)
     all_rows.append(cache.reshape(num_slots, width))
     gathers.append(gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
