@@ -98,6 +98,12 @@ TP_ROWS = {
     "decode_m1_h16": Decode("fp8_model1", 256, 2, 16, 128, 256, 512, 64, 8192, None),
     "prefill_v32_h16": Prefill(4096, 16, 2048, 576, 32768, True, None),
 }
+# Small batches (interactive decode; CLI only, --rows): the head-block kernel splits each
+# token's keys over CTAs (mosaic.Config.num_splits) and combines the parts.
+SMALL_ROWS = {
+    "decode_ds_b4": Decode("fp8_ds_mla", 4, 1, 128, 2048, 64, None, None, 32768, None),
+    "decode_ds_b16": Decode("fp8_ds_mla", 16, 1, 128, 2048, 64, None, None, 32768, None),
+}
 FLASHMLA_HEADS = 64  # the fewest FlashMLA's Hopper kernels take
 # Not an anchor row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
 EXTRA_ROWS = {
@@ -362,7 +368,7 @@ def run(rows=ROWS, *, only_side_by_side: bool = False) -> list[Row]:
                        "copy bandwidth", dev))
       else:  # a prefill row whose peer is measured side by side only
         out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", None, "", dev))
-    if fm is not None and (spec.anchor is not None or name in TP_ROWS):
+    if fm is not None and (spec.anchor is not None or name in TP_ROWS or name in SMALL_ROWS):
       out.append(side_by_side(fm, name, spec, sets, flop))
     del sets
   return out
@@ -417,7 +423,7 @@ def main():
   ok = True
   if args.check or args.small:
     ok = check(small=args.small)
-  every = {**ROWS, **TP_ROWS, **V41_ROWS, **EXTRA_ROWS}
+  every = {**ROWS, **TP_ROWS, **V41_ROWS, **EXTRA_ROWS, **SMALL_ROWS}
   rows = {r: every[r] for r in args.rows.split(",") if r}
   configs = (_configs(args.triton_configs, triton.Config,
                       ("block_h", "block_k", "num_warps", "num_stages"))

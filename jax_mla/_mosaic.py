@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla._common import LN2, LOG2E, cdiv, runs_on_gpu
+from jax_mla._common import LN2, LOG2E, cdiv, num_sms, runs_on_gpu
 
 # The transposed kernels (keys on wgmma's M side, query rows on N): the rows of a CTA.
 TRANSPOSED_MAX_ROWS = 32  # each consumer's accumulator is 256 x rows float32
@@ -128,6 +128,25 @@ def shared_scratch(plgpu_mod, rows: int, num_stages: int):
   that orders its own first stores before its loads)."""
   return (plgpu_mod.SMEM((num_stages + 6, rows), jnp.float32),
           plgpu_mod.Barrier(num_arrivals=1, num_barriers=num_stages + 4))
+
+
+# A CTA's fixed cost (query load, pipeline fill, epilogue, its share of the combine) in
+# cache blocks, as FlashMLA's scheduler charges it (``fixed_overhead_num_blocks``).
+SPLIT_OVERHEAD_BLOCKS = 5
+
+
+def default_num_splits(num_tiles: int, max_blocks: int) -> int:
+  """KV splits for ``num_tiles`` CTAs' worth of rows over ``max_blocks`` key blocks (the
+  split-KV decode kernels: dense cache blocks, sparse 64-key steps): the count
+  that minimises waves x (blocks per split + a CTA's fixed cost), one CTA per SM, each
+  split keeping >= 4 blocks; the fewest on a tie. (64 tiles on 132 SMs: 2 splits, one
+  wave, where filling the SMs with 3 took two.)"""
+  sms = num_sms()
+  if num_tiles >= sms:
+    return 1
+  limit = max(1, min(max_blocks // 4, 64))
+  return min(range(1, limit + 1), key=lambda s: (
+      cdiv(num_tiles * s, sms) * (max_blocks / s + SPLIT_OVERHEAD_BLOCKS), s))
 
 
 def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, shared,

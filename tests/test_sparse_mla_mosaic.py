@@ -130,8 +130,25 @@ DECODE_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-h{c[3]}-bs{c[6]}-x{c[9]}")
 def test_decode_matches_reference(case):
+  """Small batches: the head-block cases run split (default_num_splits) and combined."""
+  _check_decode(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (1, 2, 4)],
+                         ids=lambda c: f"{c[0]}-h{c[3]}-bs{c[6]}-x{c[9]}")
+def test_decode_split_counts_match_reference(case, num_splits):
+  """Every split count, including splits left without a step (8 splits of 3 steps) and
+  none (1), with sinks, topk lengths and the extra key set."""
+  fmt = resolve(case[0])
+  _check_decode(case, dataclasses.replace(mosaic.default_config(fmt, case[3]),
+                                          num_splits=num_splits))
+
+
+def _check_decode(case, config=None):
   q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
-  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", **kw)
+  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", config=config, **kw)
   ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
   (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
   assert out.shape == r_out.shape and lse.shape == r_lse.shape
@@ -155,6 +172,31 @@ def test_default_picks_mosaic_on_hopper_for_every_head_count(h_q):
 def test_transposed_tiles(h_q, blocks):
   """The transposed kernels' row tiles: the fewest of at most 32, a multiple of 16."""
   assert _mosaic.transposed_tiles(h_q) == blocks
+
+
+@pytest.mark.parametrize("h_q", [128, 48])
+def test_split_decode_lowers(h_q):
+  """The split decode (head-block kernel, 3 splits, then the Mosaic GPU combine) lowers
+  for CUDA; runs without a GPU."""
+  fmt = resolve("fp8_ds_mla")
+  config = dataclasses.replace(mosaic.default_config(fmt, h_q), num_splits=3)
+  s = jax.ShapeDtypeStruct
+  lowered = lowers_for_cuda(
+      lambda q, cache, idx, sink: mosaic.sparse_decode(
+          q, [(cache, idx, None)], sink, fmts=(fmt,), sm_scale=0.1, config=config),
+      s((4, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8), s((4, 256), jnp.int32),
+      s((h_q,), jnp.float32))
+  assert lowered.as_text().count("mosaic_gpu_v2") == 2
+
+
+def test_default_num_splits_fills_the_sms():
+  """Small batches split their keys until the CTAs fill the SMs (each split >= 4 steps);
+  a batch whose head blocks fill them runs one split."""
+  sms = _mosaic.num_sms()
+  assert _mosaic.default_num_splits(8, 32) > 1
+  assert 8 * _mosaic.default_num_splits(8, 32) <= max(sms, 8)
+  assert _mosaic.default_num_splits(sms, 32) == 1
+  assert _mosaic.default_num_splits(4, 3) == 1  # under 4 steps a split: none
 
 
 @pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512), (48, 576)])

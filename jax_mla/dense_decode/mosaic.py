@@ -63,7 +63,6 @@ from jax_mla._common import (
   LOG2E,
   cdiv,
   check_num_splits,
-  num_sms,
   with_num_splits,
 )
 from jax_mla.merge import combine_splits
@@ -79,7 +78,7 @@ class Config:
   """Tuning of the Mosaic GPU decode kernel (static; changes no result beyond rounding).
 
   Attributes:
-    num_splits: KV splits per row tile; ``None`` picks :func:`default_num_splits`.
+    num_splits: KV splits per row tile; ``None`` picks :func:`jax_mla._mosaic.default_num_splits`.
     consumer_registers, producer_registers: per-thread registers of each consumer
       warpgroup and of the producer (``setmaxnreg``: multiples of 8, and
       ``2 * consumer + producer <= 512`` so three warpgroups fit the register file).
@@ -264,24 +263,6 @@ def _zero_rows(ctx, kept_ref, nope_ref, rope_ref):
                       "@p st.shared.v4.b32 [$0], {0, 0, 0, 0};}", "r,r", has_side_effects=True)
 
 
-# A CTA's fixed cost (query load, pipeline fill, epilogue, its share of the combine) in
-# cache blocks, as FlashMLA's scheduler charges it (``fixed_overhead_num_blocks``).
-SPLIT_OVERHEAD_BLOCKS = 5
-
-
-def default_num_splits(num_tiles: int, max_blocks: int) -> int:
-  """KV splits for ``num_tiles`` row tiles over ``max_blocks`` cache blocks: the count
-  that minimises waves x (blocks per split + a CTA's fixed cost), one CTA per SM, each
-  split keeping >= 4 blocks; the fewest on a tie. (64 tiles on 132 SMs: 2 splits, one
-  wave, where filling the SMs with 3 took two.)"""
-  sms = num_sms()
-  if num_tiles >= sms:
-    return 1
-  limit = max(1, min(max_blocks // 4, 64))
-  return min(range(1, limit + 1), key=lambda s: (
-      cdiv(num_tiles * s, sms) * (max_blocks / s + SPLIT_OVERHEAD_BLOCKS), s))
-
-
 def row_tiles(s_q: int, h_q: int) -> tuple[int, int]:
   """``(tiles, rows_per_tile)`` over a request's ``s_q * h_q`` query rows: at most 32
   rows take one transposed tile (16 or 32 rows); more take 64-row tiles, the last one
@@ -305,8 +286,9 @@ def check_supported(q, kv_cache, *, causal):
 def with_defaults(config: Config | None, *, num_kv_splits: int | None, batch: int, s_q: int,
                   h_q: int, max_blocks: int) -> Config:
   """``config`` (``None``: the defaults) with ``num_splits`` set: the op's
-  ``num_kv_splits`` when given, else the config's, else :func:`default_num_splits`."""
-  return with_num_splits(config or Config(), num_kv_splits, lambda: default_num_splits(
+  ``num_kv_splits`` when given, else the config's, else
+  :func:`jax_mla._mosaic.default_num_splits`."""
+  return with_num_splits(config or Config(), num_kv_splits, lambda: _mosaic.default_num_splits(
       batch * row_tiles(s_q, h_q)[0], max_blocks))
 
 

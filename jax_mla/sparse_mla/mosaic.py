@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _mosaic, merge_mosaic
 from jax_mla._common import LOG2E, cdiv
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format
@@ -83,12 +83,19 @@ class Config:
       otherwise): the two head blocks of a token run as a 2-CTA cluster and each
       gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
       each row is loaded and dequantized once per token, not once per head block.
+    num_splits: decode on the head-block kernel: CTAs per token and head block, each
+      taking an equal share of the token's key steps; the parts are combined by
+      :func:`jax_mla.merge_mosaic.combine` (a second Mosaic GPU kernel). None picks
+      :func:`jax_mla._mosaic.default_num_splits` (1 once the tokens' head blocks fill
+      the SMs); ``pair`` is off when it is above 1. Prefill and the transposed kernel
+      run 1.
   """
   num_stages: int = 2
   consumer_registers: int = 208
   producer_registers: int = 88
   producers: int = 1
   pair: bool = False
+  num_splits: int | None = None
 
   def __post_init__(self):
     if self.num_stages not in (1, 2):
@@ -99,6 +106,8 @@ class Config:
     regs = (self.consumer_registers, self.producer_registers)
     if any(r % 8 or not 24 <= r <= 256 for r in regs):
       raise ValueError(f"register counts must be multiples of 8 in [24, 256]; got {regs}")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"num_splits must be None or >= 1; got {self.num_splits}")
     budget = register_budget(self.producers)
     if 2 * self.consumer_registers + self.producers * self.producer_registers != budget:
       raise ValueError(
@@ -152,9 +161,12 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
                        "use implementation='triton'")
 
 
-def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair):
+def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair,
+            tokens, splits):
   """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``refs``: the sets'
-  indices, then their caches, then the outputs, the SMEM refs and the barriers."""
+  indices, then their caches, then the outputs, the SMEM refs and the barriers.
+  ``splits`` above 1: this CTA takes split ``s`` of the token's steps and writes part
+  ``s`` of the outputs (rows ``s * tokens * h_q + ...``)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -168,6 +180,16 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   # The sets' steps run back to back in one softmax: set k's rows are steps
   # first[k] .. first[k + 1] - 1.
   first = first_steps(len_ref, t, num_sets)
+  base = None
+  out_r0 = r0
+  if splits > 1:  # this split's steps [lo, hi), renumbered from 0
+    split = lax.axis_index("s")
+    total = first[-1]
+    lo = jnp.minimum(split * lax.div(total + splits - 1, splits), total)
+    hi = jnp.minimum(lo + lax.div(total + splits - 1, splits), total)
+    base = [jnp.maximum(lo - f, 0) for f in first[:-1]]
+    first = [jnp.clip(f - lo, 0, hi - lo) for f in first]
+    out_r0 = split * tokens * h_q + r0
   steps = first[-1]
   has_rope = d_qk > D_MAIN
   if pair:
@@ -205,7 +227,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       stats.at[1][...] = lse
 
     plgpu.commit_smem()
-    rows = pl.ds(r0, BLOCK_H)
+    rows = pl.ds(out_r0, BLOCK_H)
     plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[rows, pl.ds(wg * HALF, HALF)])
 
     @pl.when(wg == 0)
@@ -228,20 +250,21 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
     produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
             kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-            barriers=(q_bar, kv_bar, free_bar), first=first,
+            barriers=(q_bar, kv_bar, free_bar), first=first, base=base,
             pair=pair_bars[0] if pair else None)
 
   if pair:  # neither CTA leaves while the other may still write to or arrive in it
     _mosaic.cluster_sync(plgpu)
 
 
-def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
+def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   """The kernels over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
 
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
   block_size, width]`` holds bf16 latents or the bytes of its format in ``fmts`` (one
   per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
-  topk]``, and None means the whole ``topk``. Returns
+  topk]``, and None means the whole ``topk``. ``num_splits``: see ``Config.num_splits``
+  (head-block kernel only). Returns
   ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
   h_q = q.shape[1]
@@ -253,16 +276,19 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
     sink = None if attn_sink is None else jnp.pad(attn_sink.astype(jnp.float32), (0, pad),
                                                   constant_values=-jnp.inf)
     out, max_logits, lse = attend(jnp.pad(q, ((0, 0), (0, pad), (0, 0))), sets, sink,
-                                  fmts=fmts, sm_scale=sm_scale, config=config)
+                                  fmts=fmts, sm_scale=sm_scale, config=config,
+                                  num_splits=num_splits)
     return out[:, :h_q], max_logits[:, :h_q], lse[:, :h_q]
   if config.producers != 1:
     raise ValueError(f"the Mosaic GPU kernel for h_q a multiple of {BLOCK_H} runs one "
                      f"producer; got Config(producers={config.producers})")
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
-  pair = config.pair and h_q % (2 * BLOCK_H) == 0 and all(map(dequantized, fmts))
+  pair = (config.pair and num_splits == 1 and h_q % (2 * BLOCK_H) == 0
+          and all(map(dequantized, fmts)))
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair)
-  sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
+  # Split parts are combined before the sinks apply: the kernel then runs without.
+  sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None or num_splits > 1
           else attn_sink.astype(jnp.float32))
 
   tiles = _mosaic.swizzled(plgpu)
@@ -290,26 +316,33 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       shared_barrier,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
-                             gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair)
+                             gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair,
+                             tokens=tokens, splits=num_splits)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
                   barriers, collective_axes="wg")
 
   n = tokens * h_q
-  out_type = (jax.ShapeDtypeStruct((n, D_MAIN), jnp.bfloat16),
-              jax.ShapeDtypeStruct((n,), jnp.float32),
-              jax.ShapeDtypeStruct((n,), jnp.float32))
+  out_type = (jax.ShapeDtypeStruct((num_splits * n, D_MAIN), jnp.bfloat16),
+              jax.ShapeDtypeStruct((num_splits * n,), jnp.float32),
+              jax.ShapeDtypeStruct((num_splits * n,), jnp.float32))
   # The head blocks of one token are adjacent in launch order (the last grid axis is
   # blockIdx.x): they gather the same rows, which L2 then serves once; a pair's are
   # one cluster.
   grid = ({"grid": (tokens, h_q // BLOCK_H // 2), "grid_names": ("t", "h"), "cluster": (2,),
            "cluster_names": ("c",)} if pair
+          else {"grid": (tokens, num_splits, h_q // BLOCK_H), "grid_names": ("t", "s", "h")}
+          if num_splits > 1
           else {"grid": (tokens, h_q // BLOCK_H), "grid_names": ("t", "h")})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q.reshape(n, d_qk), sink, *all_indices, *all_rows)
+  if num_splits > 1:
+    out, max_logits, lse = merge_mosaic.combine(
+        out.reshape(num_splits, n, D_MAIN), lse.reshape(num_splits, n),
+        max_logits.reshape(num_splits, n), attn_sink, heads=h_q)
   return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
           lse.reshape(tokens, h_q))
 
@@ -336,4 +369,10 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
   lse)`` over ``T``.
   """
-  return attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config)
+  num_splits = 1
+  if not transposed(q.shape[1]):
+    steps = sum(cdiv(idx.shape[1], BLOCK_K) for _, idx, _ in sets)
+    num_splits = config.num_splits or _mosaic.default_num_splits(
+        q.shape[0] * cdiv(q.shape[1], BLOCK_H), steps)
+  return attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config,
+                num_splits=num_splits)

@@ -104,7 +104,7 @@ def first_steps(len_ref, t, num_sets: int):
 
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope, valid,
-            barriers, first, producer: int = 0, producers: int = 1, pair=None):
+            barriers, first, base=None, producer: int = 0, producers: int = 1, pair=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
   With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with ``i %
@@ -124,6 +124,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
     barriers: ``(q_bar, kv_bar, free_bar)``: query loaded; stage loaded (one per
       stage); stage free (one per stage).
     first: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (traced).
+    base: per set, the 64-index block its step ``first[k]`` reads (traced; None: 0): a
+      CTA taking one split of a token's keys starts inside a set.
     producer, producers: this producer's index and their number.
     pair: None, or the CTA is one of a 2-CTA cluster that shares each step (``gathers``
       made with ``pair=True``): the SMEM uint32 ``[stages, 4]`` of
@@ -160,14 +162,16 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
   for k, (gather_fn_k, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
                                                         strict=True)):
     gather = plgpu.inline_mgpu(arg_types=arg_types)(gather_fn_k)
+    offset = (0 if base is None else base[k]) - first[k]  # step i reads block i + offset
     start = first[k] + lax.rem(producer - lax.rem(first[k], producers) + producers, producers)
     # The set's first step of this producer reads indices staged here (a producer with
     # no step in the set stages a block of it that exists); each step stages its next's.
-    block = jnp.maximum(jnp.minimum(start, first[k + 1] - 1) - first[k], 0)
+    block = jnp.clip(jnp.minimum(start, first[k + 1] - 1) + offset, 0,
+                     idx_ref.shape[1] // BLOCK_K - 1)
     stage(idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)], staged(start))
 
     @pl.loop(start, first[k + 1], step=producers)
-    def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref):
+    def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset):
       slot = lax.rem(i, num_stages)
 
       # This producer's previous step landed while the consumers worked: publish it
@@ -183,7 +187,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
 
       # The set's last step has no next: it restages its own indices (same values).
       has_next = (i + producers < first[k + 1]).astype(jnp.int32)
-      nxt = i - first[k] + producers * has_next
+      nxt = i + offset + producers * has_next
       gather(idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
              kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next),
              *(() if pair is None else (pair.at[slot],)))

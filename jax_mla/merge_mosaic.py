@@ -1,0 +1,156 @@
+"""Pallas Mosaic GPU kernel of the split-KV combine (:func:`jax_mla.merge.combine_splits`),
+with attention sinks.
+
+A split-KV decode whose kernels are all Mosaic GPU stays one program of Mosaic GPU
+kernels (the torch bridge then launches it on torch's stream, without PJRT:
+``torch_bridge._direct``). The reduce is small (each part row read once) and plain
+per-thread work, written inline: each CTA takes 8 rows, each thread one 16-byte chunk
+(8 values) of 4 of them; it weighs the parts by their LSE, sums them in float32 and
+stores bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_mla import _mosaic
+from jax_mla._common import LN2, LOG2E
+
+ROWS = 8  # rows per CTA: 128 threads x 4 rows x 16 bytes covers 8 rows of 512 values
+_CHUNK = 8  # bf16 values a thread moves at once (16 bytes)
+
+
+def combine(out_parts, lse_parts, max_parts, sink, *, heads: int):
+  """Combines ``S`` partial results (call under jit).
+
+  Args:
+    out_parts: bf16 ``[S, n, d]``, each part normalised over its own keys; ``d`` a
+      multiple of 8 with ``d / 8`` dividing 512, ``n`` a multiple of 8.
+    lse_parts, max_parts: float32 ``[S, n]`` natural-log LSE and max logit of each part
+      (``+inf`` or ``-inf`` LSE: a part without keys).
+    sink: float32 ``[heads]`` attention sinks (row ``r`` is head ``r % heads``;
+      ``-inf``: none), or None.
+
+  Returns:
+    ``(out bf16 [n, d], max_logits [n], lse [n])``: as :func:`jax_mla.merge.combine_splits`
+    (a row empty in every part: ``out = 0``, ``lse = +inf``, max ``-inf``), then ``out``
+    times ``exp(lse) / (exp(lse) + exp(sink))``, as the sparse kernels apply sinks.
+  """
+  parts, n, d = out_parts.shape
+  chunks = d // _CHUNK
+  if d % _CHUNK or 128 % chunks or (ROWS * chunks) % 128 or n % ROWS:
+    raise ValueError(f"combine takes d a multiple of 8 dividing 1024 and n a multiple of "
+                     f"{ROWS}; got d={d}, n={n}")
+  plgpu = _mosaic.plgpu()
+  if sink is None:
+    sink = jnp.full((heads,), -jnp.inf, jnp.float32)
+  reduce = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7)(
+      functools.partial(_combine_rows, parts=parts, n=n, d=d, heads=heads))
+
+  def body(o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref):
+    reduce(o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref)
+
+  out_type = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32))
+  return plgpu.kernel(body, **{_mosaic.out_type_kwarg(plgpu): out_type}, grid=(n // ROWS,),
+                      grid_names=("r",))(
+      out_parts.reshape(parts * n, d), lse_parts.reshape(parts * n),
+      max_parts.reshape(parts * n), sink.astype(jnp.float32))
+
+
+def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, *, parts, n,
+                  d, heads):
+  """One thread's rows (inline Mosaic GPU): see :func:`combine`."""
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+                   ir.F32Type.get())
+  i8 = ir.IntegerType.get_signless(8)
+  void = ir.Type.parse("!llvm.void")
+  c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
+  cf = lambda v: mgpu.c(v, f32)  # noqa: E731
+
+  def glob(ref):
+    return llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                              mgpu_utils.memref_ptr(ref))
+
+  def at(base, elem, size):  # byte address of element ``elem`` (i32) of ``size`` bytes
+    return mgpu_utils.getelementptr(base, [arith.muli(arith.extui(i64, elem),
+                                                      mgpu.c(size, i64))], i8)
+
+  def asm_f32(text, *args):
+    return llvm.inline_asm(f32, list(args), text, "=f," + ",".join("f" * len(args)))
+
+  def load(ptr, kind):  # "f32" or "b32" (a packed bf16 pair)
+    ty, reg = (f32, "f") if kind == "f32" else (i32, "r")
+    return llvm.inline_asm(ty, [ptr], f"ld.global.nc.{kind} $0, [$1];", f"={reg},l")
+
+  def store(ptr, value, kind):
+    reg = "f" if kind == "f32" else "r"
+    llvm.inline_asm(void, [ptr, value], f"st.global.{kind} [$0], $1;", f"l,{reg}",
+                    has_side_effects=True)
+
+  eq = lambda a, b: arith.cmpf(arith.CmpFPredicate.OEQ, a, b)  # noqa: E731
+  o, lse_in, max_in, sinks = glob(o_ref), glob(l_ref), glob(m_ref), glob(sink_ref)
+  out, ml_out, lse_out = glob(out_ref), glob(ml_ref), glob(lse_ref)
+  tid = arith.remui(mgpu.thread_idx(), c32(128))
+  chunks = d // _CHUNK
+  chunk = arith.remui(tid, c32(chunks))
+  first = arith.addi(arith.muli(arith.index_cast(i32, gpu.block_id(gpu.Dimension.x)),
+                                c32(ROWS)), arith.divui(tid, c32(chunks)))
+  inf, ninf = cf(float("inf")), cf(float("-inf"))
+  for r in range(ROWS * chunks // 128):
+    row = arith.addi(first, c32(r * 128 // chunks))
+    # Weights: a part without keys (+-inf) weighs 0; NaN propagates (maximumf).
+    lses = [load(at(lse_in, arith.addi(c32(s * n), row), 4), "f32") for s in range(parts)]
+    lses = [arith.select(eq(v, inf), ninf, v) for v in lses]
+    m = lses[0]
+    for v in lses[1:]:
+      m = arith.maximumf(m, v)
+    empty = eq(m, ninf)
+    m_safe = arith.select(empty, cf(0.0), m)
+    ws = [asm_f32("ex2.approx.ftz.f32 $0, $1;", arith.mulf(arith.subf(v, m_safe), cf(LOG2E)))
+          for v in lses]
+    total = ws[0]
+    for w in ws[1:]:
+      total = arith.addf(total, w)
+    total_safe = arith.select(empty, cf(1.0), total)
+    lse = arith.addf(m_safe, arith.mulf(asm_f32("lg2.approx.ftz.f32 $0, $1;", total_safe),
+                                        cf(LN2)))
+    lse = arith.select(empty, inf, lse)
+    # The sink's share: 1 / (1 + exp(sink - lse)) (sink -inf: 1; an empty row is 0 anyway).
+    sink = load(at(sinks, arith.remui(row, c32(heads)), 4), "f32")
+    kept = arith.divf(cf(1.0), arith.addf(cf(1.0), asm_f32(
+        "ex2.approx.ftz.f32 $0, $1;", arith.mulf(arith.subf(sink, lse), cf(LOG2E)))))
+    scale = arith.select(empty, cf(0.0), arith.divf(kept, total_safe))
+    acc = [cf(0.0)] * _CHUNK
+    for s, w in enumerate(ws):
+      ws_scaled = arith.mulf(w, scale)
+      base = arith.addi(arith.muli(arith.addi(c32(s * n), row), c32(chunks)), chunk)
+      for k in range(_CHUNK // 2):
+        pair = load(at(o, arith.addi(arith.muli(base, c32(_CHUNK // 2)), c32(k)), 4), "b32")
+        lo = arith.bitcast(f32, arith.shli(pair, c32(16)))
+        hi = arith.bitcast(f32, arith.andi(pair, c32(-65536)))
+        acc[2 * k] = arith.addf(acc[2 * k], arith.mulf(lo, ws_scaled))
+        acc[2 * k + 1] = arith.addf(acc[2 * k + 1], arith.mulf(hi, ws_scaled))
+    base = arith.addi(arith.muli(row, c32(chunks)), chunk)
+    for k in range(_CHUNK // 2):
+      packed = llvm.inline_asm(i32, [acc[2 * k + 1], acc[2 * k]],
+                               "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+      store(at(out, arith.addi(arith.muli(base, c32(_CHUNK // 2)), c32(k)), 4), packed, "b32")
+    first_chunk = arith.cmpi(arith.CmpIPredicate.eq, chunk, c32(0))
+    maxes = [load(at(max_in, arith.addi(c32(s * n), row), 4), "f32") for s in range(parts)]
+    mx = maxes[0]
+    for v in maxes[1:]:
+      mx = arith.maximumf(mx, v)
+    for ptr, value in ((at(lse_out, row, 4), lse), (at(ml_out, row, 4), mx)):
+      llvm.inline_asm(void, [ptr, value, arith.extui(i32, first_chunk)],
+                      "{.reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.f32 [$0], $1;}",
+                      "l,f,r", has_side_effects=True)
