@@ -135,16 +135,16 @@ def shared_scratch(plgpu_mod, rows: int, num_stages: int):
 SPLIT_OVERHEAD_BLOCKS = 5
 
 
-def default_num_splits(num_tiles: int, max_blocks: int) -> int:
+def default_num_splits(num_tiles: int, max_blocks: int, min_blocks: int = 4) -> int:
   """KV splits for ``num_tiles`` CTAs' worth of rows over ``max_blocks`` key blocks (the
   split-KV decode kernels: dense cache blocks, sparse 64-key steps): the count
   that minimises waves x (blocks per split + a CTA's fixed cost), one CTA per SM, each
-  split keeping >= 4 blocks; the fewest on a tie. (64 tiles on 132 SMs: 2 splits, one
-  wave, where filling the SMs with 3 took two.)"""
+  split keeping >= ``min_blocks`` blocks; the fewest on a tie. (64 tiles on 132 SMs: 2
+  splits, one wave, where filling the SMs with 3 took two.)"""
   sms = num_sms()
   if num_tiles >= sms:
     return 1
-  limit = max(1, min(max_blocks // 4, 64))
+  limit = max(1, min(max_blocks // min_blocks, 64))
   return min(range(1, limit + 1), key=lambda s: (
       cdiv(num_tiles * s, sms) * (max_blocks / s + SPLIT_OVERHEAD_BLOCKS), s))
 

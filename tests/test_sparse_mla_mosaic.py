@@ -197,6 +197,7 @@ def test_default_num_splits_fills_the_sms():
   assert 8 * _mosaic.default_num_splits(8, 32) <= max(sms, 8)
   assert _mosaic.default_num_splits(sms, 32) == 1
   assert _mosaic.default_num_splits(4, 3) == 1  # under 4 steps a split: none
+  assert _mosaic.default_num_splits(4, 3, min_blocks=1) > 1
 
 
 @pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512), (48, 576)])

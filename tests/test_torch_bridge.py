@@ -1,6 +1,7 @@
 """torch bridge: zero-copy interop, torch-callable ops, FlashMLA drop-ins, library callers."""
 
 import ctypes
+import dataclasses
 import functools
 import importlib
 import math
@@ -476,7 +477,7 @@ class _RecordingKernel:
       ctypes.memset(ptr, self.FILL, nbytes)
 
 
-def _decode_plan(b, h_q, topk, lengths=False, nb=4):
+def _decode_plan(b, h_q, topk, lengths=False, nb=4, num_splits=1):
   """The plan of the Mosaic GPU sparse decode program (fp8_ds_mla) on CPU tensors."""
   pytest.importorskip("absl")
   from jax_mla.cache.formats import resolve
@@ -484,9 +485,9 @@ def _decode_plan(b, h_q, topk, lengths=False, nb=4):
   from jax_mla.sparse_mla import mosaic
   from torch_bridge import _direct
   fmt = resolve("fp8_ds_mla")
+  config = dataclasses.replace(mosaic.default_config(fmt, h_q), num_splits=num_splits)
   decode = functools.partial(sparse_api._decode, fmt=fmt, extra_fmt=None, sm_scale=0.1, d_v=512,
-                             impl="mosaic", config=mosaic.default_config(fmt, h_q),
-                             interpret=False)
+                             impl="mosaic", config=config, interpret=False)
   s = jax.ShapeDtypeStruct
   structs = [s((b, 1, h_q, 576), jnp.bfloat16), s((nb, 64, 656), jnp.uint8),
              s((b, 1, topk), jnp.int32)] + [s((b,), jnp.int32)] * lengths
@@ -527,6 +528,28 @@ def test_direct_plan_of_sparse_decode_is_one_kernel_on_the_callers_memory():
   out2, _ = plan([q, cache, idx], 8)
   assert len(kernel.launches) == 2 and kernel.launches[1][0][:1] == [lengths_ptr]
   assert out2.data_ptr() != out.data_ptr()
+
+
+def test_direct_plan_of_split_decode_keeps_the_parts_per_stream():
+  """A split decode is two launches (the split kernel, the combine); the parts pass
+  between them in buffers kept per stream: the same memory on every call on one stream,
+  other memory on another stream."""
+  plan = _decode_plan(2, 64, 256, num_splits=3)
+  split, combine = plan.kernels
+  assert plan.steps == [split, combine]
+  assert [kind for kind, _ in split.buffers] == ["stream"] * 3
+  assert [kind for kind, _ in combine.buffers] == ["alloc", "scratch", "alloc"]
+  for step in (split, combine):
+    step.kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
+  args = [torch.randn(2, 1, 64, 576).bfloat16(), torch.zeros(4, 64, 656, dtype=torch.uint8),
+          torch.randint(-1, 256, (2, 1, 256), dtype=torch.int32)]
+  for stream in (7, 7, 8):
+    plan(args, stream)
+  parts = [pointers[-3:] for pointers, _ in split.kernel.launches]
+  assert parts[0] == parts[1] and not set(parts[0]) & set(parts[2])
+  # The combine reads the parts (out, lse, max_logits) where the split kernel wrote them.
+  for (pointers, _), written in zip(combine.kernel.launches, parts, strict=True):
+    assert pointers[:3] == [written[0], written[2], written[1]]
 
 
 @pytest.mark.parametrize(("topk", "lengths"), [(100, False), (128, True)])

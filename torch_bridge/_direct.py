@@ -252,13 +252,23 @@ class Plan:
   ``kernels``: its launches; ``steps``: what a call runs, in order (torch views and
   launches). A kernel output that is returned, as it is or reshaped (a transpose that
   only moves size-1 axes counts), is allocated in the returned shape; one nothing reads
-  goes to a scratch buffer kept with the plan (written by every launch, read by none)."""
+  goes to a scratch buffer kept with the plan (written by every launch, read by none);
+  one only later launches of the call read (a split kernel's parts) goes to a buffer
+  kept per stream: the stream orders one call's reads before the next call's writes."""
 
   def __init__(self, steps, outputs, out_shapes, treedef, num_slots, device):
     self.steps, self.outputs, self.treedef = steps, outputs, treedef
     self.out_strides = [_row_major_strides(shape) for shape in out_shapes]
     self.num_slots, self.device = num_slots, device
     self.kernels = [s for s in steps if isinstance(s, _KernelStep)]
+    self._per_stream: dict[int, dict] = {}
+
+  def _stream_buffer(self, stream: int, key, shape, dtype) -> torch.Tensor:
+    buffers = self._per_stream.setdefault(stream, {})
+    x = buffers.get(key)
+    if x is None:  # allocated on (the caching allocator's pool of) the stream
+      x = buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+    return x
 
   def __call__(self, tensors, stream: int):
     env = list(tensors) + [None] * (self.num_slots - len(tensors))
@@ -269,8 +279,10 @@ class Plan:
         continue
       ins = [x if x.is_contiguous() else x.contiguous() for x in map(get, step.operands)]
       outs = [torch.empty(arg, dtype=dtype, device=self.device) if kind == "alloc"
-              else arg if kind == "scratch" else ins[arg]
-              for (kind, arg), (_, dtype) in zip(step.buffers, step.types, strict=True)]
+              else arg if kind == "scratch" else ins[arg] if kind == "alias"
+              else self._stream_buffer(stream, v.slot, arg, dtype)
+              for (kind, arg), (_, dtype), v in zip(step.buffers, step.types, step.results,
+                                                    strict=True)]
       step.kernel.launch([x.data_ptr() for x in ins] + [x.data_ptr() for x in outs], stream)
       for v, x in zip(step.results, outs, strict=True):
         env[v.slot] = x
@@ -424,7 +436,8 @@ def _returned_in_place(steps, outputs, out_shapes, device):
   """``(steps, outputs)`` with kernel results returned in place: a result returned as
   it is or reshaped (and read by no view but reshapes) is allocated in the returned
   shape and returned as it is; the views nothing reads then are dropped; a result
-  nothing reads is a scratch buffer. Sets each kernel step's ``buffers``."""
+  nothing reads is a scratch buffer; one only later launches read is a buffer kept per
+  stream. Sets each kernel step's ``buffers``."""
   shaped = {v.slot for step in steps if isinstance(step, _ViewStep) and not step.reshape
             for v in step.operands}  # read with their own shape
   outputs, returned = list(outputs), {}
@@ -437,6 +450,9 @@ def _returned_in_place(steps, outputs, out_shapes, device):
     outputs[returned[v.slot]] = v
   steps = _used(steps, outputs)
   read = {v.slot for step in steps for v in step.operands} | {v.slot for v in outputs}
+  # Read by later launches only (split parts, say): kept per stream (see Plan).
+  between = read - {v.slot for step in steps if isinstance(step, _ViewStep)
+                    for v in step.operands} - {v.slot for v in outputs}
   for step in kernels:
     buffers = []
     for v, (shape, dtype), alias in zip(step.results, step.types, step.aliases, strict=True):
@@ -446,6 +462,8 @@ def _returned_in_place(steps, outputs, out_shapes, device):
         buffers.append(("alloc", out_shapes[returned[v.slot]]))
       elif v.slot not in read:
         buffers.append(("scratch", torch.empty(shape, dtype=dtype, device=device)))
+      elif v.slot in between:
+        buffers.append(("stream", shape))
       else:
         buffers.append(("alloc", shape))
     step.buffers = tuple(buffers)

@@ -56,6 +56,9 @@ from jax_mla.sparse_mla.mosaic_gather import (
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
+# The fewest key steps a decode split keeps (H200, fp8_ds_mla h128 topk 2048, s_q 1: at
+# b 1 and 4, 16 splits of 2 steps 42-44 us, 8 of 4 steps 48-49 us, one split 128 us).
+MIN_SPLIT_STEPS = 2
 def register_budget(producers: int) -> int:
   """The registers per thread that ``2 * consumer + producers * producer`` must total:
   each warpgroup starts with an equal share (:func:`jax_mla._mosaic.register_share`)
@@ -373,6 +376,6 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   if not transposed(q.shape[1]):
     steps = sum(cdiv(idx.shape[1], BLOCK_K) for _, idx, _ in sets)
     num_splits = config.num_splits or _mosaic.default_num_splits(
-        q.shape[0] * cdiv(q.shape[1], BLOCK_H), steps)
+        q.shape[0] * cdiv(q.shape[1], BLOCK_H), steps, min_blocks=MIN_SPLIT_STEPS)
   return attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config,
                 num_splits=num_splits)
