@@ -68,7 +68,8 @@ QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1
 def sparse_decode(impl):
   """Each format, the V4 / V4.1 ones with an extra set (V4.1: also fp8 main + fp4 extra);
   64 heads; 128 on fp8_model1 and the V4.1 pair (Mosaic GPU: a 2-CTA cluster sharing
-  the gather); 16 on fp8_ds_mla and fp8_model1 (Mosaic GPU: the transposed kernel)."""
+  the gather); 16 on fp8_ds_mla and fp8_model1 (Mosaic GPU: the transposed kernel);
+  128 heads at s_q 1, whose keys split over CTAs."""
   rng = np.random.default_rng(1)
   b, s_q = 2, 2
   for fmt, extra_fmt, d_qk, bs, extra_bs, h_q in (
@@ -91,6 +92,16 @@ def sparse_decode(impl):
     yield sparse_mla_decode(q, main, idx, kv_cache_dtype=fmt, extra_kv_cache=extra[0],
                             extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
                             implementation=impl, **kw)[0]
+  # Small batches split each token's keys over CTAs (Mosaic GPU: then a combine kernel):
+  # without topk lengths and topk a multiple of 64 (no index pre-pass), and with them.
+  sink = jnp.asarray([-np.inf, np.inf] + [0.5] * 126, jnp.float32)
+  for topk, lengths in ((512, None), (600, jnp.asarray([600, 9], jnp.int32))):
+    idx = _bad_indices(rng, (b, 1, topk), 12 * 64)
+    rows = _nan_unused(rng.standard_normal((12 * 64, 576)).astype(np.float32), idx.ravel())
+    main = QUANTIZE["fp8_ds_mla"](jnp.asarray(rows.reshape(12, 64, 576), jnp.bfloat16))
+    q = jnp.asarray(rng.standard_normal((b, 1, 128, 576)) / 3, jnp.bfloat16)
+    yield sparse_mla_decode(q, main, jnp.asarray(idx), topk_length=lengths, attn_sink=sink,
+                            implementation=impl)[0]
 
 
 def dense_decode(impl):
