@@ -136,11 +136,12 @@ def test_decode_matches_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (1, 2, 4)],
+@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (1, 2, 4, 7, 9)],
                          ids=lambda c: f"{c[0]}-h{c[3]}-bs{c[6]}-x{c[9]}")
 def test_decode_split_counts_match_reference(case, num_splits):
   """Every split count, including splits left without a step (8 splits of 3 steps) and
-  none (1), with sinks, topk lengths and the extra key set."""
+  none (1), with sinks, topk lengths and the extra key set; head-block and transposed
+  (16 heads) kernels."""
   fmt = resolve(case[0])
   _check_decode(case, dataclasses.replace(mosaic.default_config(fmt, case[3]),
                                           num_splits=num_splits))
@@ -174,10 +175,10 @@ def test_transposed_tiles(h_q, blocks):
   assert _mosaic.transposed_tiles(h_q) == blocks
 
 
-@pytest.mark.parametrize("h_q", [128, 48])
+@pytest.mark.parametrize("h_q", [128, 48, 16, 20])
 def test_split_decode_lowers(h_q):
-  """The split decode (head-block kernel, 3 splits, then the Mosaic GPU combine) lowers
-  for CUDA; runs without a GPU."""
+  """The split decode (head-block or transposed kernel, 3 splits, then the Mosaic GPU
+  combine) lowers for CUDA; runs without a GPU."""
   fmt = resolve("fp8_ds_mla")
   config = dataclasses.replace(mosaic.default_config(fmt, h_q), num_splits=3)
   s = jax.ShapeDtypeStruct

@@ -718,14 +718,14 @@ def _direct_decode_inputs(kv_cache_dtype, h_q, b=3, s_q=2, topk=256, nb=16):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kv_cache_dtype", "h_q", "launches"),
-                         [("fp8_ds_mla", 128, 2), ("fp8_ds_mla", 16, 1), ("fp8_model1", 64, 2),
+                         [("fp8_ds_mla", 128, 2), ("fp8_ds_mla", 16, 2), ("fp8_model1", 64, 2),
                           ("auto", 48, 2)])
 def test_direct_launch_matches_pjrt_and_the_reference(kv_cache_dtype, h_q, launches,
                                                       monkeypatch):
   """The sparse decode launched directly on torch's stream: the same bits as the PJRT
   path (the same kernels), and the reference's values. 6 tokens of 4 key steps split
-  in two on the head-block kernel (then the combine kernel); 16 heads run the
-  transposed kernel, unsplit."""
+  in two (then the combine kernel), on the head-block kernel or, for 16 heads, the
+  transposed one."""
   from torch_bridge import _direct
   plans = []
   run = _direct.Plan.__call__

@@ -19,6 +19,9 @@ stages in turns:
 - ``h_q`` up to 32 (:mod:`.mosaic_transposed`): one CTA per token with the keys on
   the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
   spent on a head that is not there.
+- decode with few tokens (either kernel): each token's key steps are split over
+  ``Config.num_splits`` CTAs and the parts combined by :mod:`jax_mla.merge_mosaic`
+  (H200, fp8_ds_mla h128 topk 2048, b 4: 16 splits 44-47 us, one 124-129 us).
 - any other ``h_q``: padded with zero queries (``-inf`` sinks) to a multiple of 64 for
   the head-block kernel. Each CTA gathers all of its token's rows, so fewer CTAs gather
   less (H100, fp8_ds_mla b128 s_q 2 topk 2048: h 48 in two transposed 32-head CTAs
@@ -53,6 +56,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   init_pair,
   kernel_inputs,
   produce,
+  split_steps,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -86,12 +90,11 @@ class Config:
       otherwise): the two head blocks of a token run as a 2-CTA cluster and each
       gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
       each row is loaded and dequantized once per token, not once per head block.
-    num_splits: decode on the head-block kernel: CTAs per token and head block, each
-      taking an equal share of the token's key steps; the parts are combined by
+    num_splits: decode: CTAs per token and head block, each taking an equal share of
+      the token's key steps; the parts are combined by
       :func:`jax_mla.merge_mosaic.combine` (a second Mosaic GPU kernel). None picks
       :func:`jax_mla._mosaic.default_num_splits` (1 once the tokens' head blocks fill
-      the SMs); ``pair`` is off when it is above 1. Prefill and the transposed kernel
-      run 1.
+      the SMs); ``pair`` is off when it is above 1. Prefill runs 1.
   """
   num_stages: int = 2
   consumer_registers: int = 208
@@ -182,17 +185,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   r0 = t * h_q + h0
   # The sets' steps run back to back in one softmax: set k's rows are steps
   # first[k] .. first[k + 1] - 1.
-  first = first_steps(len_ref, t, num_sets)
-  base = None
-  out_r0 = r0
-  if splits > 1:  # this split's steps [lo, hi), renumbered from 0
-    split = lax.axis_index("s")
-    total = first[-1]
-    lo = jnp.minimum(split * lax.div(total + splits - 1, splits), total)
-    hi = jnp.minimum(lo + lax.div(total + splits - 1, splits), total)
-    base = [jnp.maximum(lo - f, 0) for f in first[:-1]]
-    first = [jnp.clip(f - lo, 0, hi - lo) for f in first]
-    out_r0 = split * tokens * h_q + r0
+  first, base = split_steps(first_steps(len_ref, t, num_sets), splits)
+  out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
   steps = first[-1]
   has_rope = d_qk > D_MAIN
   if pair:
@@ -266,14 +260,14 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
   block_size, width]`` holds bf16 latents or the bytes of its format in ``fmts`` (one
   per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
-  topk]``, and None means the whole ``topk``. ``num_splits``: see ``Config.num_splits``
-  (head-block kernel only). Returns
+  topk]``, and None means the whole ``topk``. ``num_splits``: see ``Config.num_splits``.
+  Returns
   ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
   """
   h_q = q.shape[1]
   if transposed(h_q):
     return mosaic_transposed.attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
-                                    config=config)
+                                    config=config, num_splits=num_splits)
   if h_q % BLOCK_H:  # zero queries with -inf sinks in the padding heads, dropped after
     pad = cdiv(h_q, BLOCK_H) * BLOCK_H - h_q
     sink = None if attn_sink is None else jnp.pad(attn_sink.astype(jnp.float32), (0, pad),
@@ -372,10 +366,10 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
   lse)`` over ``T``.
   """
-  num_splits = 1
-  if not transposed(q.shape[1]):
-    steps = sum(cdiv(idx.shape[1], BLOCK_K) for _, idx, _ in sets)
-    num_splits = config.num_splits or _mosaic.default_num_splits(
-        q.shape[0] * cdiv(q.shape[1], BLOCK_H), steps, min_blocks=MIN_SPLIT_STEPS)
+  steps = sum(cdiv(idx.shape[1], BLOCK_K) for _, idx, _ in sets)
+  ctas = q.shape[0] * (_mosaic.transposed_tiles(q.shape[1])[0] if transposed(q.shape[1])
+                       else cdiv(q.shape[1], BLOCK_H))
+  num_splits = config.num_splits or _mosaic.default_num_splits(ctas, steps,
+                                                               min_blocks=MIN_SPLIT_STEPS)
   return attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config,
                 num_splits=num_splits)

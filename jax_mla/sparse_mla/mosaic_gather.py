@@ -103,6 +103,20 @@ def first_steps(len_ref, t, num_sets: int):
   return first
 
 
+def split_steps(first, splits: int):
+  """This CTA's share of its token's steps when a token's steps are split over
+  ``splits`` CTAs (grid axis ``"s"``; equal shares, the last ones possibly empty):
+  ``(first, base)`` for :func:`produce`, renumbered from 0; ``(first, None)`` for 1."""
+  if splits == 1:
+    return first, None
+  total = first[-1]
+  per = lax.div(total + splits - 1, splits)
+  lo = jnp.minimum(lax.axis_index("s") * per, total)
+  hi = jnp.minimum(lo + per, total)
+  return ([jnp.clip(f - lo, 0, hi - lo) for f in first],
+          [jnp.maximum(lo - f, 0) for f in first[:-1]])
+
+
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope, valid,
             barriers, first, base=None, producer: int = 0, producers: int = 1, pair=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).

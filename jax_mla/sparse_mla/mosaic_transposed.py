@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _mosaic, merge_mosaic
 from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
@@ -44,14 +44,15 @@ from jax_mla.sparse_mla.mosaic_gather import (
   first_steps,
   kernel_inputs,
   produce,
+  split_steps,
 )
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale):
+            scale, tokens, splits):
   """``refs``: the sets' indices, then their caches, then the outputs (``O``
-  ``[T * h_pad, 512]``, max logits and LSE ``[T * blocks, max(heads, 32)]``), the SMEM
-  refs and the barriers."""
+  ``[splits * T * h_pad, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
+  32)]``; split ``s`` writes part ``s``), the SMEM refs and the barriers."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -61,7 +62,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   h0 = lax.axis_index("h") * heads
   wg = lax.axis_index("wg")
   r0 = t * h_pad + h0
-  first = first_steps(len_ref, t, num_sets)
+  first, base = split_steps(first_steps(len_ref, t, num_sets), splits)
+  part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
 
   @pl.when(wg < 2)
@@ -97,8 +99,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       stats.at[1, pl.ds(0, heads)][...] = lse
 
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[pl.ds(r0, heads), pl.ds(wg * HALF, HALF)])
-    block = t * lax.axis_size("h") + lax.axis_index("h")
+    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[pl.ds(part * tokens * h_pad + r0, heads),
+                                                     pl.ds(wg * HALF, HALF)])
+    block = (part * tokens + t) * lax.axis_size("h") + lax.axis_index("h")
 
     @pl.when(wg == 0)
     def _():
@@ -122,11 +125,11 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       _mosaic.set_registers(plgpu, config.producer_registers, 2 + config.producers)
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-              barriers=(q_bar, kv_bar, free_bar), first=first, producer=p,
+              barriers=(q_bar, kv_bar, free_bar), first=first, base=base, producer=p,
               producers=config.producers)
 
 
-def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
+def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` up to 32."""
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
@@ -138,6 +141,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
   q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
   row = max(heads, _mosaic.MIN_VECTOR_ROW)
   sink = jnp.pad(sink, (0, h_pad - h_q + row - heads), constant_values=-jnp.inf)
+  # Split parts are combined before the sinks apply: the kernel then runs without.
+  kernel_sink = sink if num_splits == 1 else jnp.full_like(sink, -jnp.inf)
 
   tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
@@ -163,21 +168,29 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config):
       shared_barrier,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
-                             config=config, gathers=gathers, scale=sm_scale * LOG2E)
+                             config=config, gathers=gathers, scale=sm_scale * LOG2E,
+                             tokens=tokens, splits=num_splits)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
                   barriers, collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((tokens * h_pad, D_MAIN), jnp.bfloat16),
-              jax.ShapeDtypeStruct((tokens * blocks, row), jnp.float32),
-              jax.ShapeDtypeStruct((tokens * blocks, row), jnp.float32))
+  n = num_splits * tokens
+  out_type = (jax.ShapeDtypeStruct((n * h_pad, D_MAIN), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n * blocks, row), jnp.float32),
+              jax.ShapeDtypeStruct((n * blocks, row), jnp.float32))
+  grid = ({"grid": (tokens, blocks), "grid_names": ("t", "h")} if num_splits == 1 else
+          {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
   out, max_logits, lse = plgpu.kernel(
-      entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
-      grid=(tokens, blocks), grid_names=("t", "h"), num_threads=2 + config.producers,
-      thread_name="wg",
+      entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid,
+      num_threads=2 + config.producers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, q.reshape(tokens * h_pad, d_qk), sink, *all_indices, *all_rows)
-  per_head = lambda x: x[:, :heads].reshape(tokens, h_pad)[:, :h_q]  # noqa: E731
-  out = out.reshape(tokens, h_pad, D_MAIN)[:, :h_q]
-  return out, per_head(max_logits), per_head(lse)
+  )(lengths, q.reshape(tokens * h_pad, d_qk), kernel_sink, *all_indices, *all_rows)
+  per_head = lambda x: x[:, :heads].reshape(n * h_pad)  # noqa: E731
+  out, max_logits, lse = out, per_head(max_logits), per_head(lse)
+  if num_splits > 1:
+    out, max_logits, lse = merge_mosaic.combine(
+        out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1),
+        max_logits.reshape(num_splits, -1), sink[:h_pad], heads=h_pad)
+  return (out.reshape(tokens, h_pad, D_MAIN)[:, :h_q],
+          max_logits.reshape(tokens, h_pad)[:, :h_q], lse.reshape(tokens, h_pad)[:, :h_q])
