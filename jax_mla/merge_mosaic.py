@@ -88,14 +88,8 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
   def asm_f32(text, *args):
     return llvm.inline_asm(f32, list(args), text, "=f," + ",".join("f" * len(args)))
 
-  def load(ptr, kind):  # "f32" or "b32" (a packed bf16 pair)
-    ty, reg = (f32, "f") if kind == "f32" else (i32, "r")
-    return llvm.inline_asm(ty, [ptr], f"ld.global.nc.{kind} $0, [$1];", f"={reg},l")
-
-  def store(ptr, value, kind):
-    reg = "f" if kind == "f32" else "r"
-    llvm.inline_asm(void, [ptr, value], f"st.global.{kind} [$0], $1;", f"l,{reg}",
-                    has_side_effects=True)
+  def load_f32(ptr):
+    return llvm.inline_asm(f32, [ptr], "ld.global.nc.f32 $0, [$1];", "=f,l")
 
   eq = lambda a, b: arith.cmpf(arith.CmpFPredicate.OEQ, a, b)  # noqa: E731
   o, lse_in, max_in, sinks = glob(o_ref), glob(l_ref), glob(m_ref), glob(sink_ref)
@@ -109,7 +103,7 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
   for r in range(ROWS * chunks // 128):
     row = arith.addi(first, c32(r * 128 // chunks))
     # Weights: a part without keys (+-inf) weighs 0; NaN propagates (maximumf).
-    lses = [load(at(lse_in, arith.addi(c32(s * n), row), 4), "f32") for s in range(parts)]
+    lses = [load_f32(at(lse_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
     lses = [arith.select(eq(v, inf), ninf, v) for v in lses]
     m = lses[0]
     for v in lses[1:]:
@@ -126,27 +120,30 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
                                         cf(LN2)))
     lse = arith.select(empty, inf, lse)
     # The sink's share: 1 / (1 + exp(sink - lse)) (sink -inf: 1; an empty row is 0 anyway).
-    sink = load(at(sinks, arith.remui(row, c32(heads)), 4), "f32")
+    sink = load_f32(at(sinks, arith.remui(row, c32(heads)), 4))
     kept = arith.divf(cf(1.0), arith.addf(cf(1.0), asm_f32(
         "ex2.approx.ftz.f32 $0, $1;", arith.mulf(arith.subf(sink, lse), cf(LOG2E)))))
     scale = arith.select(empty, cf(0.0), arith.divf(kept, total_safe))
     acc = [cf(0.0)] * _CHUNK
     for s, w in enumerate(ws):
       ws_scaled = arith.mulf(w, scale)
-      base = arith.addi(arith.muli(arith.addi(c32(s * n), row), c32(chunks)), chunk)
-      for k in range(_CHUNK // 2):
-        pair = load(at(o, arith.addi(arith.muli(base, c32(_CHUNK // 2)), c32(k)), 4), "b32")
+      chunk_at = at(o, arith.addi(arith.muli(arith.addi(c32(s * n), row), c32(chunks)), chunk),
+                    16)
+      pairs = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"), [chunk_at],
+                              "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+      for k in range(_CHUNK // 2):  # a b32 holds values 2k (low half) and 2k + 1
+        pair = llvm.extractvalue(i32, pairs, [k])
         lo = arith.bitcast(f32, arith.shli(pair, c32(16)))
         hi = arith.bitcast(f32, arith.andi(pair, c32(-65536)))
         acc[2 * k] = arith.addf(acc[2 * k], arith.mulf(lo, ws_scaled))
         acc[2 * k + 1] = arith.addf(acc[2 * k + 1], arith.mulf(hi, ws_scaled))
-    base = arith.addi(arith.muli(row, c32(chunks)), chunk)
-    for k in range(_CHUNK // 2):
-      packed = llvm.inline_asm(i32, [acc[2 * k + 1], acc[2 * k]],
-                               "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
-      store(at(out, arith.addi(arith.muli(base, c32(_CHUNK // 2)), c32(k)), 4), packed, "b32")
+    packed = [llvm.inline_asm(i32, [acc[2 * k + 1], acc[2 * k]], "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                              "=r,f,f") for k in range(_CHUNK // 2)]
+    llvm.inline_asm(void, [at(out, arith.addi(arith.muli(row, c32(chunks)), chunk), 16), *packed],
+                    "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+                    has_side_effects=True)
     first_chunk = arith.cmpi(arith.CmpIPredicate.eq, chunk, c32(0))
-    maxes = [load(at(max_in, arith.addi(c32(s * n), row), 4), "f32") for s in range(parts)]
+    maxes = [load_f32(at(max_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
     mx = maxes[0]
     for v in maxes[1:]:
       mx = arith.maximumf(mx, v)

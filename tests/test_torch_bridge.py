@@ -552,6 +552,24 @@ def test_direct_plan_of_split_decode_keeps_the_parts_per_stream():
     assert pointers[:3] == [written[0], written[2], written[1]]
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_direct_plan_of_dense_decode(num_splits):
+  """``mla_decode_paged`` on Mosaic GPU (128 heads): its kernel, and the combine kernel
+  when split, with nothing around them (the lengths are clipped in the kernel)."""
+  pytest.importorskip("absl")
+  from jax_mla.dense_decode import mosaic as dense_mosaic
+  from torch_bridge import _direct
+  config = dense_mosaic.Config(num_splits=num_splits)
+  s = jax.ShapeDtypeStruct
+  _, block, treedef = _direct.lowered_main(
+      lambda q, kv, bt, sl: dense_mosaic.paged_decode(q, kv, bt, sl, sm_scale=0.1, causal=False,
+                                                      config=config),
+      [s((4, 1, 128, 576), jnp.bfloat16), s((64, 64, 576), jnp.bfloat16), s((4, 16), jnp.int32),
+       s((4,), jnp.int32)], None)
+  plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+  assert plan.steps == plan.kernels and len(plan.kernels) == num_splits
+
+
 @pytest.mark.parametrize(("topk", "lengths"), [(100, False), (128, True)])
 def test_direct_plan_refuses_programs_with_other_work(topk, lengths):
   """A topk that is not a multiple of 64 or per-request lengths need the index pre-pass
@@ -750,6 +768,36 @@ def test_direct_launch_matches_pjrt_and_the_reference(kv_cache_dtype, h_q, launc
   assert rel_err(to_jax(out), ref) < 1e-2
   np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
   assert torch.isinf(lse[1, :, 0]).all() and not out[1, 0].any()  # the row with no key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [2, 200])
+def test_direct_launch_of_dense_decode_matches_pjrt_and_the_reference(batch, monkeypatch):
+  """``mla_decode_paged`` (128 heads, FlashMLA's dense drop-in): split and combined at
+  batch 2, one split at 200; empty and over-long sequences."""
+  from torch_bridge import _direct
+  plans = []
+  run = _direct.Plan.__call__
+  monkeypatch.setattr(_direct.Plan, "__call__",
+                      lambda self, *a: plans.append(self) or run(self, *a))
+  k = jax.random.split(jax.random.key(7), 3)
+  nb = 16 * batch
+  q = jax.random.normal(k[0], (batch, 1, 128, 576), jnp.bfloat16)
+  kv = jax.random.normal(k[1], (nb, 64, 576), jnp.bfloat16)
+  bt = jax.random.permutation(k[2], nb).astype(jnp.int32).reshape(batch, 16)
+  sl = jnp.tile(jnp.array([300, 0, 1024, 10_000], jnp.int32), batch)[:batch]
+  args = [to_torch(a).to("cuda").clone() for a in (q, kv, bt, sl)]
+  out, lse = ops.mla_decode_paged(*args, sm_scale=0.05)
+  assert len(plans) == 1
+  torch_bridge.set_direct_launch(False)
+  try:
+    pjrt = ops.mla_decode_paged(*args, sm_scale=0.05)
+  finally:
+    torch_bridge.set_direct_launch(True)
+  assert torch.equal(out, pjrt[0]) and torch.equal(lse, pjrt[1])
+  ref, ref_lse = jax_mla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05, implementation="xla")
+  assert rel_err(to_jax(out), ref) < 1e-2
+  np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu

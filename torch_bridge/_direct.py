@@ -335,9 +335,13 @@ def lowered_main(fn: Callable, structs, device: jax.Device | None, platform: str
 
 
 def _keeps_row_major(name: str, op, shape) -> bool:
-  """Whether a reshape or transpose of a row-major value is the same memory, row-major."""
+  """Whether a reshape, transpose or pad of a row-major value is the same memory,
+  row-major (a pad by nothing is: jnp.pad emits one for a zero width)."""
   if name == "stablehlo.reshape":
     return True
+  if name == "stablehlo.pad":
+    return not any(width for k in ("edge_padding_low", "edge_padding_high", "interior_padding")
+                   for width in _i64s(op.attributes[k]))
   if name != "stablehlo.transpose":
     return False
   moved = [d for d in _i64s(op.attributes["permutation"]) if shape[d] != 1]

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _mosaic, merge_mosaic
 from jax_mla._common import (
   D_NOPE,
   D_QK,
@@ -65,7 +65,6 @@ from jax_mla._common import (
   check_num_splits,
   with_num_splits,
 )
-from jax_mla.merge import combine_splits
 
 BLOCK_M = 64  # query rows per CTA: one wgmma M
 PAGE = 64  # keys per pipeline step: one cache block
@@ -109,7 +108,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
   first_row = tile * rows  # within the request, whose rows are (token, head) pairs
   r0 = (bi * tiles + tile) * rows
 
-  seq = seq_ref[bi]  # clipped to the block table by the wrapper
+  seq = jnp.clip(seq_ref[bi], 0, bt_ref.shape[1] * PAGE)  # what the block table holds
 
   def limit(token):  # keys a query token sees
     if not causal:
@@ -168,7 +167,8 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 
     @pl.when(wg == 0)
     def _():
-      lse_smem.at[pl.ds(0, rows)][...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
+      # A row with no key: lse +inf (FlashMLA's convention; the combine reads it as empty).
+      lse_smem.at[pl.ds(0, rows)][...] = jnp.where(empty, jnp.inf, m * LN2 + jnp.log(l_safe))
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_nope.at[wg],
@@ -300,12 +300,11 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   plgpu = _mosaic.plgpu()
   num_splits = config.num_splits
   b, s_q, h_q, _ = q.shape
-  num_blocks, max_blocks = kv_cache.shape[0], block_table.shape[1]
+  num_blocks = kv_cache.shape[0]
   tiles, rows = row_tiles(s_q, h_q)
   q_rows = s_q * h_q
   padded = tiles * rows  # a request's rows with the last tile's zero padding
   q = jnp.pad(q.reshape(b, q_rows, D_QK), ((0, 0), (0, padded - q_rows), (0, 0)))
-  seq = jnp.clip(cache_seqlens, 0, max_blocks * PAGE)
 
   swizzled = _mosaic.swizzled(plgpu)
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, rows, NUM_STAGES)
@@ -347,11 +346,12 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       # is blockIdx.x): they read the same cache blocks, which L2 then serves once.
       grid=(b, num_splits, tiles), grid_names=("b", "s", "t"), num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(seq, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK))
-  out = out.reshape(num_splits, b, padded, D_NOPE)[:, :, :q_rows]
-  lse = lse[..., :rows].reshape(num_splits, b, padded)[:, :, :q_rows]
+  )(cache_seqlens, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK))
+  lse = lse[..., :rows].reshape(num_splits, b * padded)
   if num_splits == 1:
-    out, lse = out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
+    out, lse = out[0], lse[0]
   else:  # bf16 partials (they are staged in the query's SMEM), float32 merge
-    out, lse = combine_splits(out, lse, jnp.bfloat16)
+    out, _, lse = merge_mosaic.combine(out, lse, lse, None, heads=1)
+  out = out.reshape(b, padded, D_NOPE)[:, :q_rows]
+  lse = lse.reshape(b, padded)[:, :q_rows]
   return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q)
