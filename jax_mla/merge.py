@@ -1,8 +1,10 @@
 """Softmax-state helpers: combining partial attention results by their LSE.
 
-The one home of the split-KV combine: chunked-context prefill merges two passes
-(:func:`merge_attn_states`), and every split-KV decode kernel combines its splits
-(:func:`combine_splits`). LSE is natural-log float32; a part with no valid key
+The one home of the split-KV combine in XLA: chunked-context prefill merges two passes
+(:func:`merge_attn_states`), and the Triton split-KV decode kernels combine their
+splits (:func:`combine_splits`); the Mosaic GPU ones use its kernel twin,
+:func:`jax_mla.merge_mosaic.combine`, so that their programs stay Mosaic GPU kernels
+only. LSE is natural-log float32; a part with no valid key
 has ``lse = +inf`` by the FlashMLA convention or ``-inf`` by the vLLM one, and
 contributes nothing either way.
 """
