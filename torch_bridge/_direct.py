@@ -6,7 +6,7 @@ stream fence. Where an op, for one set of shapes, lowers to Mosaic GPU kernels p
 reshapes, transposes, slices and input-free constants, none of that is needed: a
 :class:`Plan` is made once per signature from the op's StableHLO, and a call then
 
-* makes torch views of its tensors (the reshapes, transposes and slices),
+* makes torch views of its tensors (reshapes, transposes, slices; a pad copies),
 * allocates each kernel's outputs with torch (torch's caching allocator, on the
   caller's current stream),
 * launches each kernel on torch's current stream through the host function jaxlib's
@@ -41,7 +41,7 @@ _TORCH_DTYPES = {
     "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
     "f8E4M3FN": torch.float8_e4m3fn, "f8E5M2": torch.float8_e5m2,
     "i1": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
-    "ui8": torch.uint8, "ui32": torch.uint32,
+    "ui8": torch.uint8,
 }
 
 _enabled = os.environ.get("JAX_MLA_TORCH_DIRECT", "1") != "0"

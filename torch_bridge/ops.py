@@ -176,6 +176,9 @@ def torch_op(fn: Callable) -> Callable:
     if stream is not None and _direct.enabled() and first is tensors[0]:
       plan = sig.plan(tensors)
       if plan is not None:
+        if first.device.index != torch.cuda.current_device():  # its kernels' context
+          with torch.cuda.device(first.device):
+            return plan(tensors, stream.cuda_stream)
         return plan(tensors, stream.cuda_stream)
     device = _interop.jax_device(first)
     torch_device = first.device
