@@ -63,6 +63,8 @@ BLOCK_H = 64  # query heads per CTA: one wgmma M
 # The fewest key steps a decode split keeps (H200, fp8_ds_mla h128 topk 2048, s_q 1: at
 # b 1 and 4, 16 splits of 2 steps 42-44 us, 8 of 4 steps 48-49 us, one split 128 us).
 MIN_SPLIT_STEPS = 2
+
+
 def register_budget(producers: int) -> int:
   """The registers per thread that ``2 * consumer + producers * producer`` must total:
   each warpgroup starts with an equal share (:func:`jax_mla._mosaic.register_share`)
