@@ -72,21 +72,22 @@ def sparse_decode(impl):
   128 heads at s_q 1, whose keys split over CTAs."""
   rng = np.random.default_rng(1)
   b, s_q = 2, 2
+
+  def cache(num_blocks, block_size, topk, fmt, d_qk, s_q=s_q):
+    idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)
+    rows = _nan_unused(rng.standard_normal((num_blocks * block_size, d_qk)).astype(np.float32),
+                       idx.ravel())
+    rows = jnp.asarray(rows.reshape(num_blocks, block_size, d_qk), jnp.bfloat16)
+    return QUANTIZE[fmt](rows), jnp.asarray(idx)
+
   for fmt, extra_fmt, d_qk, bs, extra_bs, h_q in (
       ("fp8_ds_mla", None, 576, 64, None, 64), ("fp8_model1", "fp8_model1", 512, 64, 2, 64),
       ("fp8_v41", "fp8_v41", 512, 64, 2, 64), ("fp8_v41", "fp4_v41", 512, 64, 2, 64),
       ("fp4_v41", None, 512, 16, None, 64), ("fp8_model1", "fp8_model1", 512, 64, 2, 128),
       ("fp8_v41", "fp4_v41", 512, 64, 2, 128), ("fp8_ds_mla", None, 576, 64, None, 16),
       ("fp8_model1", "fp8_model1", 512, 64, 2, 16)):
-    def cache(num_blocks, block_size, topk, fmt, d_qk=d_qk):
-      idx = _bad_indices(rng, (b, s_q, topk), num_blocks * block_size)
-      rows = _nan_unused(rng.standard_normal((num_blocks * block_size, d_qk)).astype(np.float32),
-                         idx.ravel())
-      rows = jnp.asarray(rows.reshape(num_blocks, block_size, d_qk), jnp.bfloat16)
-      return QUANTIZE[fmt](rows), jnp.asarray(idx)
-
-    main, idx = cache(5, bs, 100, fmt)
-    extra = cache(7, extra_bs, 33, extra_fmt) if extra_bs else (None, None)
+    main, idx = cache(5, bs, 100, fmt, d_qk)
+    extra = cache(7, extra_bs, 33, extra_fmt, d_qk) if extra_bs else (None, None)
     kw = {"extra_kv_cache_dtype": extra_fmt} if extra_bs else {}
     q = jnp.asarray(rng.standard_normal((b, s_q, h_q, d_qk)) / 3, jnp.bfloat16)
     yield sparse_mla_decode(q, main, idx, kv_cache_dtype=fmt, extra_kv_cache=extra[0],
@@ -96,11 +97,9 @@ def sparse_decode(impl):
   # without topk lengths and topk a multiple of 64 (no index pre-pass), and with them.
   sink = jnp.asarray([-np.inf, np.inf] + [0.5] * 126, jnp.float32)
   for topk, lengths in ((512, None), (600, jnp.asarray([600, 9], jnp.int32))):
-    idx = _bad_indices(rng, (b, 1, topk), 12 * 64)
-    rows = _nan_unused(rng.standard_normal((12 * 64, 576)).astype(np.float32), idx.ravel())
-    main = QUANTIZE["fp8_ds_mla"](jnp.asarray(rows.reshape(12, 64, 576), jnp.bfloat16))
+    main, idx = cache(12, 64, topk, "fp8_ds_mla", 576, s_q=1)
     q = jnp.asarray(rng.standard_normal((b, 1, 128, 576)) / 3, jnp.bfloat16)
-    yield sparse_mla_decode(q, main, jnp.asarray(idx), topk_length=lengths, attn_sink=sink,
+    yield sparse_mla_decode(q, main, idx, topk_length=lengths, attn_sink=sink,
                             implementation=impl)[0]
 
 

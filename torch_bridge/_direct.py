@@ -144,6 +144,12 @@ class _Value:
   dense_source: _Value | None = None
 
 
+def _row_major(**where) -> _Value:
+  """A value that is row-major memory of its own (a call's tensor, a constant, a kernel
+  buffer): its own ``dense_source``."""
+  return _Value(**where, dense_source=_Value(**where))
+
+
 def _tensor_type(value):
   from jax._src.lib.mlir import ir
   t = ir.RankedTensorType(value.type)
@@ -220,14 +226,16 @@ def _view_op(op):
 
 @dataclasses.dataclass
 class _KernelStep:
-  """A launch. ``operands``: the values it reads; ``results``: per output, the value
-  it defines and how its buffer is made (:func:`_buffers`)."""
+  """A launch. ``operands``: the values it reads; ``results``, ``types``, ``aliases``:
+  per output, the value it defines, its shape and dtype, the operand it aliases;
+  ``buffers``: how its buffer is made (set by :func:`_returned_in_place`)."""
   kernel: _Kernel
   operands: tuple[_Value, ...]
   results: tuple[_Value, ...]
   types: tuple[tuple[tuple[int, ...], torch.dtype], ...]
   aliases: tuple[int | None, ...]
-  buffers: tuple = ()  # per result: ("alloc", shape) | ("scratch", tensor) | ("alias", i)
+  # per result: ("alloc", shape) | ("scratch", tensor) | ("alias", i) | ("stream", shape)
+  buffers: tuple = ()
 
 
 @dataclasses.dataclass
@@ -357,8 +365,7 @@ def build(block, treedef, device: torch.device,
 
   values: dict = {}
   for i, arg in enumerate(block.arguments):  # the call's tensors: checked row-major
-    values[arg] = _Value(slot=i)
-    values[arg] = dataclasses.replace(values[arg], dense_source=values[arg])
+    values[arg] = _row_major(slot=i)
   num_slots = len(block.arguments)
   steps, outputs, fresh = [], None, 0
 
@@ -376,8 +383,7 @@ def build(block, treedef, device: torch.device,
         out_shapes = [_tensor_type(v)[0] for v in op.operation.operands]
         break
       if name == "stablehlo.constant":
-        const = _constant(op, device)
-        values[op.result] = _Value(const=const, dense_source=_Value(const=const))
+        values[op.result] = _row_major(const=_constant(op, device))
         continue
       if name == "stablehlo.custom_call":
         target = op.attributes["call_target_name"].value
@@ -393,8 +399,7 @@ def build(block, treedef, device: torch.device,
             aliases[out] = alias.operand_index
         results = []
         for r, alias in zip(op.results, aliases, strict=True):
-          v = _Value(slot=new_slot(), fresh=None if alias is not None else fresh)
-          values[r] = dataclasses.replace(v, dense_source=v)
+          values[r] = _row_major(slot=new_slot(), fresh=None if alias is not None else fresh)
           results.append(values[r])
           fresh += 1
         # A reshape of row-major memory is that memory: the kernel takes its source.
@@ -409,8 +414,7 @@ def build(block, treedef, device: torch.device,
       if fn is None or len(op.results) != 1:
         raise Unsupported(f"op {name}")
       if all(v.const is not None for v in operands):  # input-free: computed now
-        const = fn(*[v.const for v in operands]).contiguous()
-        values[op.result] = _Value(const=const, dense_source=_Value(const=const))
+        values[op.result] = _row_major(const=fn(*[v.const for v in operands]).contiguous())
         continue
       if name == "stablehlo.pad" and operands[1].const is None:
         raise Unsupported("padding with a computed value")

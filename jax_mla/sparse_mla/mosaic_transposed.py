@@ -186,8 +186,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
       num_threads=2 + config.producers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q.reshape(tokens * h_pad, d_qk), kernel_sink, *all_indices, *all_rows)
-  per_head = lambda x: x[:, :heads].reshape(n * h_pad)  # noqa: E731
-  out, max_logits, lse = out, per_head(max_logits), per_head(lse)
+  max_logits, lse = (x[:, :heads].reshape(n * h_pad) for x in (max_logits, lse))
   if num_splits > 1:
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1),
