@@ -3,14 +3,16 @@
 Every public jax_mla op is here under the same name and argument order (one
 wrapper each, made by :func:`torch_op`; ``help(ops.sparse_mla_decode)`` shows the
 op's own documentation): tensor arguments are torch tensors (CPU or CUDA,
-contiguous, shared without a copy), results are torch tensors sharing JAX's output
-memory. Non-tensor arguments (ints, floats, strings, bools, None, config objects)
-are static: each distinct set of them, together with the tensor shapes and dtypes,
-is compiled once and cached, so a repeated call costs one jitted dispatch plus the
-DLPack hand-offs of tensors not seen before (a tensor's imported view is kept while
-it lives) and of the results. A list, tuple or numpy array where the op takes an
-array is refused with a TypeError naming the argument (convert it first, e.g.
-``torch.tensor(x, dtype=torch.int32)``).
+contiguous, shared without a copy), results are torch tensors. Non-tensor arguments
+(ints, floats, strings, bools, None, config objects) are static: each distinct set of
+them, together with the tensor shapes and dtypes, is compiled once and cached. On CUDA,
+an op whose program is Mosaic GPU kernels plus views (the sparse and dense MLA decode
+on Hopper) then has its kernels launched on torch's current stream, outputs allocated
+by torch (:mod:`torch_bridge._direct`); any other call costs one jitted dispatch plus
+the DLPack hand-offs of tensors not seen before (a tensor's imported view is kept while
+it lives) and of the results, which share JAX's output memory. A list, tuple or numpy
+array where the op takes an array is refused with a TypeError naming the argument
+(convert it first, e.g. ``torch.tensor(x, dtype=torch.int32)``).
 
 ``concat_and_cache_mla`` writes into the torch cache's own memory, in place (also in
 vLLM's positional form): JAX encodes only the new tokens, torch stores them.
