@@ -1,4 +1,5 @@
-"""Cache writer (``concat_and_cache_mla``): Triton kernel against the XLA reference.
+"""Cache writer (``concat_and_cache_mla``): the Mosaic GPU (Hopper) and Triton kernels
+against the XLA reference.
 
 Memory-bound: the figure is (latent bytes read + cache bytes written) / time,
 against device-to-device copy bandwidth (3.0 TB/s on the H100: benchmarks/RESULTS.md,
@@ -6,7 +7,7 @@ against device-to-device copy bandwidth (3.0 TB/s on the H100: benchmarks/RESULT
 The cache is threaded through one jitted, donated program that applies the
 write once per input set, so the write is in place (as in a serving step) and
 one dispatch is spread over all the sets. `python -m benchmarks.bench_cache`
-also checks the kernel byte for byte against the reference first.
+also checks the kernels byte for byte against the reference first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import Row, device_name, n_sets, print_table, sync_torch, time_calls_us
+from jax_mla import _mosaic
 from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
 
 COPY_TBPS = 3.0  # device-to-device copy on the H100 (RESULTS.md, "Anchors")
@@ -38,16 +40,22 @@ def _inputs(rng, fmt, num_tokens, capacity, *, skip=True):
   return kv_c, k_pe, jnp.asarray(slots)
 
 
-def check(fmt: str, num_tokens: int = 4096, num_blocks: int = 512, block_size: int = 64,
-          seed: int = 0) -> int:
-  """Triton vs XLA on one random write into a random-byte cache; returns mismatching bytes."""
+def kernels() -> tuple[str, ...]:
+  """The writer kernels this machine runs."""
+  return ("mosaic", "triton") if _mosaic.on_hopper() else ("triton",)
+
+
+def check(fmt: str, impl: str, num_tokens: int = 4096, num_blocks: int = 512,
+          block_size: int = 64, seed: int = 0) -> int:
+  """``impl`` vs XLA on one random write into a random-byte cache; returns mismatching
+  bytes."""
   rng = np.random.default_rng(seed)
   shape = kv_cache_shape(num_blocks, block_size, _head(fmt), fmt)
   before = rng.integers(0, 256, size=shape, dtype=np.uint8)
   kv_c, k_pe, slots = _inputs(rng, fmt, num_tokens, num_blocks * block_size)
   outs = [np.asarray(concat_and_cache_mla(kv_c, k_pe, jnp.asarray(before), slots,
                                           kv_cache_dtype=fmt, implementation=impl))
-          for impl in ("triton", "xla")]
+          for impl in (impl, "xla")]
   return int((outs[0] != outs[1]).sum())
 
 
@@ -115,11 +123,12 @@ CONFIGS = [(fmt, T, nb) for fmt in ("fp8_ds_mla", "fp8_model1")
            for T, nb in ((128, 4096), (4096, 512), (4096, 4096), (16384, 4096))]
 
 
-def run(configs=CONFIGS, impls=("triton", "xla")) -> list[Row]:
+def run(configs=CONFIGS, impls=None) -> list[Row]:
   rng = np.random.default_rng(0)
   dev = device_name()
   rows = []
   bs = 64
+  impls = impls or (*kernels(), "xla")
   for fmt, T, nb in configs:
     head = _head(fmt)
     shape = kv_cache_shape(nb, bs, head, fmt)
@@ -140,12 +149,14 @@ def run(configs=CONFIGS, impls=("triton", "xla")) -> list[Row]:
 def main() -> None:
   print("device:", device_name())
   for fmt in ("fp8_ds_mla", "fp8_model1"):
-    for seed in (0, 1):
-      print(f"check {fmt} T 4096 seed {seed}: {check(fmt, seed=seed)} mismatching bytes")
+    for impl in kernels():
+      for seed in (0, 1):
+        print(f"check {impl} {fmt} T 4096 seed {seed}: {check(fmt, impl, seed=seed)} "
+              "mismatching bytes")
   rows = []
   for config in CONFIGS:  # row by row, so a cut-off run still reports
     rows += run([config])
-    print_table(rows[-2:])
+    print_table(rows[-len(kernels()) - 2:])
   print_table(rows)
 
 

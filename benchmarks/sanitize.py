@@ -20,6 +20,8 @@ import numpy as np
 
 from jax_mla import _mosaic
 from jax_mla.cache import (
+  concat_and_cache_mla,
+  kv_cache_shape,
   quantize_fp4_v41,
   quantize_fp8_ds_mla,
   quantize_fp8_model1_cache,
@@ -132,6 +134,21 @@ def dense_prefill(impl):
                     causal=True, implementation=impl)
 
 
+def cache_write(impl):
+  """Each format and input form; slots of every bad kind, the cache's last slot, fewer
+  slots than tokens, a token count that leaves a CTA's warps idle."""
+  rng = np.random.default_rng(4)
+  nb, bs, T = 3, 16, 13
+  slots = np.concatenate([[nb * bs - 1, nb * bs, 0], BAD, rng.integers(0, nb * bs, 3)])
+  slots = jnp.asarray(slots.astype(np.int32))  # 10 < T
+  for fmt, nope, rope in (("fp8_ds_mla", 512, 64), ("fp8_model1", 448, 64),
+                          ("fp8_model1", 512, 0)):
+    kv_c, k_pe = (jnp.asarray(rng.standard_normal((T, w)), jnp.bfloat16) for w in (nope, rope))
+    cache = jnp.zeros(kv_cache_shape(nb, bs, nope + rope, fmt), jnp.uint8)
+    yield concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype=fmt,
+                               implementation=impl)
+
+
 KERNELS = {
     "sparse_prefill_triton": (sparse_prefill, "triton"),
     "sparse_prefill_mosaic": (sparse_prefill, "mosaic"),
@@ -140,6 +157,8 @@ KERNELS = {
     "dense_decode_mosaic": (dense_decode, "mosaic"),
     "dense_decode_triton": (dense_decode, "triton"),
     "dense_prefill_triton": (dense_prefill, "triton"),
+    "cache_write_mosaic": (cache_write, "mosaic"),
+    "cache_write_triton": (cache_write, "triton"),
 }
 
 

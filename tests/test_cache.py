@@ -446,6 +446,11 @@ def test_triton_writer_matches_reference(fmt, seed, block_size, interpret):
       flat[b, block_size * 576 + o * 8:block_size * 576 + (o + 1) * 8] = True
   np.testing.assert_array_equal(outs["triton"][~changed], before[~changed])
   assert len(written) == 0 or (outs["triton"][changed] != before[changed]).any()
+  for impl in ("xla", "triton"):  # an empty slot_mapping writes nothing
+    empty = concat_and_cache_mla(*jax.device_put((kv_c, k_pe, before, slots[:0])),
+                                 kv_cache_dtype=fmt, implementation=impl,
+                                 interpret=interpret and impl == "triton")
+    np.testing.assert_array_equal(np.asarray(empty), before)
 
 
 def test_model1_whole_latent_form_and_short_slot_mapping(interpret):
@@ -483,6 +488,116 @@ def test_writer_under_jit_with_donation():
   got = np.asarray(out).reshape(-1, 656)
   np.testing.assert_array_equal(got[[3, 9, 15, 0]], want[[0, 1, 3, 4]])
   assert not np.delete(got, [3, 9, 15, 0], axis=0).any()
+
+
+# ---------------------------------------------------------------------------
+# Mosaic GPU writer (Hopper) against the reference writer
+
+
+def _adversarial_latent(rng, num_tokens, head):
+  """Random latents (:func:`rand_latent`) with the values a writer can get wrong: +-NaN,
+  +-inf, bf16 subnormals, -0.0, an all-NaN tile, an all-zero token and huge values. (No
+  tile of subnormals only: there the reference itself depends on the platform's
+  denormal flushing, see :mod:`jax_mla.cache.e4m3`.)"""
+  x = rand_latent(rng, num_tokens, head).astype(np.float32)
+  x[0, 3], x[0, 200], x[2, 7] = np.nan, -np.nan, np.inf
+  x[2, 300], x[3, 0:64] = -np.inf, np.nan
+  x[4, :] = 0.0
+  x[5, 10:20] = 1e-40  # subnormal in bf16 too
+  x[5, 130:140] = -0.0
+  x[6, 128:256] *= 1e35  # near bf16's largest values
+  return x.astype(BF16)
+
+
+MOSAIC_WRITER_CASES = [  # (format, kv_c width, k_pe width, block size, seed)
+    ("fp8_ds_mla", 512, 64, 16, 0), ("fp8_ds_mla", 512, 64, 64, 1),
+    ("fp8_model1", 448, 64, 16, 2), ("fp8_model1", 448, 64, 64, 3),
+    ("fp8_model1", 512, 0, 16, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_WRITER_CASES,
+                         ids=["ds_mla-bs16", "ds_mla-bs64", "model1-bs16", "model1-bs64",
+                              "model1-latent"])
+def test_gpu_mosaic_writer_matches_reference(case):
+  """Byte for byte the XLA writer's cache, on adversarial values; skipped and padding
+  tokens (and an empty slot_mapping) leave every other byte, stale NaN bytes included."""
+  from jax_mla import _mosaic
+  from jax_mla.cache import mosaic
+  from jax_mla.cache.formats import resolve
+  fmt, nope, rope, bs, seed = case
+  rng = np.random.default_rng(seed)
+  T, nb = 37, 3
+  x = _adversarial_latent(rng, T, nope + rope if rope else nope)
+  kv_c, k_pe = jax.device_put((np.ascontiguousarray(x[:, :nope]),
+                               np.ascontiguousarray(x[:, nope:])))
+  if not _mosaic.default_for(mosaic.check_supported, kv_c, k_pe, resolve(fmt)):
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
+  before = rand_bytes_cache(rng, kv_cache_shape(nb, bs, 512 if fmt == "fp8_model1" else 576,
+                                                fmt))
+  slots = _slots(rng, T - 2, nb * bs)  # the last two tokens are padding
+  for s in (slots, slots[:0]):
+    outs = {impl: np.asarray(concat_and_cache_mla(kv_c, k_pe, jax.device_put(before),
+                                                  jax.device_put(s), kv_cache_dtype=fmt,
+                                                  implementation=impl))
+            for impl in ("xla", "mosaic", None)}
+    np.testing.assert_array_equal(outs["mosaic"], outs["xla"])
+    np.testing.assert_array_equal(outs[None], outs["mosaic"])
+  np.testing.assert_array_equal(outs["mosaic"], before)  # the empty slot_mapping
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_writer_in_place_under_jit():
+  """Donated under jit, the kernel writes into the caller's buffer (no cache copy)."""
+  from jax_mla import _mosaic
+  rng = np.random.default_rng(21)
+  if not _mosaic.on_hopper():
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
+  kv_c, k_pe = jax.device_put(_inputs(rng, 8, 512))
+  slots = jax.device_put(np.array([5, 1, 70, -1, 3, 64, 2, 9], np.int32))
+  step = jax.jit(lambda c: concat_and_cache_mla(kv_c, k_pe, c, slots, kv_cache_dtype="fp8_ds_mla",
+                                                implementation="mosaic"), donate_argnums=0)
+  cache = jnp.zeros(kv_cache_shape(5, 16, 576, "fp8_ds_mla"), jnp.uint8)
+  pointer = cache.unsafe_buffer_pointer()
+  out = step(cache)
+  assert out.unsafe_buffer_pointer() == pointer
+  want = np_ds_mla(np.concatenate(_inputs(np.random.default_rng(21), 8, 512), axis=1))
+  got = np.asarray(out).reshape(-1, 656)
+  written = [0, 1, 2, 4, 5, 6, 7]
+  np.testing.assert_array_equal(got[[5, 1, 70, 3, 64, 2, 9]], want[written])
+
+
+def test_mosaic_writer_lowers_for_cuda():
+  """The kernel's whole Mosaic GPU lowering, for each input form (any machine)."""
+  from helpers import lowers_for_cuda
+
+  from jax_mla.cache import mosaic
+  from jax_mla.cache.formats import resolve
+  S = jax.ShapeDtypeStruct
+  for fmt, nope, rope, head in [("fp8_ds_mla", 512, 64, 576), ("fp8_model1", 448, 64, 512),
+                                ("fp8_model1", 512, 0, 512)]:
+    text = lowers_for_cuda(
+        lambda a, b, c, d, fmt=fmt: mosaic.write(a, b, c, d, fmt=resolve(fmt)),
+        S((13, nope), jnp.bfloat16), S((13, rope), jnp.bfloat16),
+        S(kv_cache_shape(3, 16, head, fmt), jnp.uint8), S((11,), jnp.int32)).as_text()
+    assert "mosaic_gpu" in text and "output_operand_aliases" in text
+
+
+@pytest.mark.cpu_only
+def test_mosaic_writer_refuses_what_it_does_not_write():
+  kv_c, k_pe = jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((4, 64), jnp.bfloat16)
+  cache = jnp.zeros(kv_cache_shape(2, 16, 576, "fp8_ds_mla"), jnp.uint8)
+  slots = jnp.arange(4, dtype=jnp.int32)
+  with pytest.raises(ValueError, match="bf16"):
+    concat_and_cache_mla(kv_c.astype(jnp.float32), k_pe, cache, slots,
+                         kv_cache_dtype="fp8_ds_mla", implementation="mosaic")
+  with pytest.raises(ValueError, match="fp8_v41"):
+    concat_and_cache_mla(kv_c, jnp.zeros((4, 0), jnp.bfloat16),
+                         jnp.zeros(kv_cache_shape(2, 16, 512, "fp8_v41"), jnp.uint8), slots,
+                         kv_cache_dtype="fp8_v41", implementation="mosaic")
+  with pytest.raises(ValueError, match="needs a GPU"):
+    concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype="fp8_ds_mla",
+                         implementation="mosaic")
 
 
 # ---------------------------------------------------------------------------

@@ -232,7 +232,8 @@ def test_cache_ops_match_jax():
 
 
 @pytest.mark.parametrize("fmt", ["auto", "fp8", "fp8_ds_mla", "fp8_model1", "fp8_v41", "fp4_v41"])
-@pytest.mark.parametrize("slots", [[5, -1, 0, 7, 40], [-1, -3, 99]], ids=["some", "none"])
+@pytest.mark.parametrize("slots", [[5, -1, 0, 7, 40], [-1, -3, 99], []],
+                         ids=["some", "none", "empty"])
 def test_concat_and_cache_in_place(fmt, slots):
   """Byte-exact with jax_mla's writer in every format, vLLM's positional form with int64
   slots, skipped slots (slot < 0 or past the cache), no valid slot; untouched slots keep
@@ -243,7 +244,7 @@ def test_concat_and_cache_in_place(fmt, slots):
   dtype = torch.bfloat16 if fmt == "auto" else torch.uint8
   before = torch.from_numpy(r.integers(0, 120, shape).astype(np.uint8))
   kv_cache = before.to(dtype) if fmt == "auto" else before.clone()
-  kv_c, k_pe = (_bf16(r.normal(size=(len(slots), w))) for w in widths)
+  kv_c, k_pe = (_bf16(r.normal(size=(max(len(slots), 1), w))) for w in widths)
   scale = torch.tensor(0.5)
   ref = jcache.concat_and_cache_mla(to_jax(kv_c), to_jax(k_pe), to_jax(kv_cache.clone()),
                                     jnp.asarray(slots, jnp.int32), kv_cache_dtype=fmt,
@@ -579,6 +580,46 @@ def test_direct_plan_refuses_programs_with_other_work(topk, lengths):
     _decode_plan(2, 64, topk, lengths)
 
 
+def _cache_write_program(fmt, num_tokens, latent_rows, nb=3, bs=16):
+  """``(module, main's block, treedef, argument structs)`` of the Mosaic GPU cache write,
+  lowered for CUDA on any machine (the block lives as long as the module)."""
+  pytest.importorskip("absl")
+  from jax_mla.cache import api as cache_api
+  from jax_mla.cache.formats import resolve
+  from torch_bridge import _direct
+  s = jax.ShapeDtypeStruct
+  nope = 512 if fmt == "fp8_ds_mla" else 448
+  write = functools.partial(cache_api._write, scale=None, fmt=resolve(fmt), kernel="mosaic",
+                            config=None, interpret=False)
+  structs = [s((latent_rows, nope), jnp.bfloat16), s((latent_rows, 64), jnp.bfloat16),
+             s(jcache.kv_cache_shape(nb, bs, nope + 64, fmt), jnp.uint8),
+             s((num_tokens,), jnp.int32)]
+  return (*_direct.lowered_main(lambda *a: write(*a), structs, None), structs)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_model1"])
+def test_direct_plan_of_cache_write_is_in_place(fmt):
+  """The Mosaic GPU cache write is one launch whose output is the caller's cache: made
+  in place it writes and returns that very tensor; a plan that must leave its tensors
+  as they were refuses the program."""
+  from torch_bridge import _direct
+  module, block, treedef, structs = _cache_write_program(fmt, num_tokens=5, latent_rows=7)
+  plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel, in_place=True)
+  [step] = plan.kernels
+  assert plan.steps == [step] and step.buffers == (("alias", 3),)
+  kv_c, k_pe = (torch.randn(t.shape).bfloat16() for t in structs[:2])
+  cache = torch.zeros(structs[2].shape, dtype=torch.uint8)
+  slots = torch.arange(5, dtype=torch.int32)
+  out = plan([kv_c, k_pe, cache, slots], 7)
+  [(pointers, stream)] = step.kernel.launches
+  assert stream == 7 and pointers == [slots.data_ptr(), kv_c.data_ptr(), k_pe.data_ptr(),
+                                      cache.data_ptr(), cache.data_ptr()]
+  assert out.data_ptr() == cache.data_ptr() and out.shape == cache.shape
+  with pytest.raises(_direct.Unsupported, match="writes into a call's tensor"):
+    _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+  del module
+
+
 def test_direct_launch_can_be_turned_off():
   previous = torch_bridge.set_direct_launch(False)
   try:
@@ -798,6 +839,43 @@ def test_direct_launch_of_dense_decode_matches_pjrt_and_the_reference(batch, mon
   ref, ref_lse = jax_mla.mla_decode_paged(q, kv, bt, sl, sm_scale=0.05, implementation="xla")
   assert rel_err(to_jax(out), ref) < 1e-2
   np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "widths"), [("fp8_ds_mla", (512, 64)), ("fp8_model1", (448, 64)),
+                                             ("fp8_model1", (512, 0))])
+def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
+  """On Hopper the bridge's write is the Mosaic GPU writer launched on torch's stream into
+  the cache's own memory: byte-exact with jax_mla's reference writer, from vLLM's strided
+  kv_c / k_pe slices and int64 slots, the cache's memory unchanged and nothing waited for."""
+  from jax_mla import _mosaic
+  from torch_bridge import _direct
+  if not _mosaic.on_hopper():
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
+  plans = []
+  run = _direct.Plan.__call__
+  monkeypatch.setattr(_direct.Plan, "__call__",
+                      lambda self, *a: plans.append(self) or run(self, *a))
+  r = _rng(17)
+  T = 40
+  kv = torch.from_numpy(r.normal(size=(T, sum(widths) + 8)).astype(np.float32)).bfloat16()
+  kv = kv.cuda()
+  kv_c, k_pe = kv[:, :widths[0]], kv[:, widths[0]:sum(widths)]  # strided, as vLLM's
+  shape = jcache.kv_cache_shape(5, 16, 512 if fmt == "fp8_model1" else 576, fmt)
+  before = torch.from_numpy(r.integers(0, 256, shape).astype(np.uint8))
+  slots = r.permutation(80)[:T - 3].astype(np.int64)
+  slots[[0, 5]] = (-1, 80)  # skipped
+  ref = jcache.concat_and_cache_mla(to_jax(kv_c.contiguous().cpu()),
+                                    to_jax(k_pe.contiguous().cpu()), to_jax(before.clone()),
+                                    jnp.asarray(slots, jnp.int32), kv_cache_dtype=fmt,
+                                    implementation="xla")
+  kv_cache = before.cuda()
+  ptr = kv_cache.data_ptr()
+  for _ in range(2):  # the second call reuses the plan
+    out = ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, torch.from_numpy(slots).cuda(), fmt)
+  assert out is kv_cache and kv_cache.data_ptr() == ptr
+  assert len(plans) == 2 and plans[0] is plans[1] and plans[0].in_place
+  np.testing.assert_array_equal(kv_cache.cpu().numpy(), np.asarray(ref))
 
 
 @pytest.mark.gpu

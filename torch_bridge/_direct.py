@@ -262,10 +262,11 @@ class Plan:
   only moves size-1 axes counts), is allocated in the returned shape; one nothing reads
   goes to a scratch buffer kept with the plan (written by every launch, read by none);
   one only later launches of the call read (a split kernel's parts) goes to a buffer
-  kept per stream: the stream orders one call's reads before the next call's writes."""
+  kept per stream: the stream orders one call's reads before the next call's writes.
+  ``in_place``: see :func:`build`."""
 
-  def __init__(self, steps, outputs, out_shapes, treedef, num_slots, device):
-    self.steps, self.outputs, self.treedef = steps, outputs, treedef
+  def __init__(self, steps, outputs, out_shapes, treedef, num_slots, device, in_place=False):
+    self.steps, self.outputs, self.treedef, self.in_place = steps, outputs, treedef, in_place
     self.out_strides = [_row_major_strides(shape) for shape in out_shapes]
     self.num_slots, self.device = num_slots, device
     self.kernels = [s for s in steps if isinstance(s, _KernelStep)]
@@ -297,7 +298,9 @@ class Plan:
     leaves, seen = [], set()
     for v, strides in zip(self.outputs, self.out_strides, strict=True):
       x = get(v)
-      if v.fresh is not None and v.fresh not in seen and x.stride() == strides:
+      if self.in_place and v.fresh is None and v.const is None:
+        pass  # the call's own tensor (or a view of it), written in place
+      elif v.fresh is not None and v.fresh not in seen and x.stride() == strides:
         seen.add(v.fresh)  # a kernel's buffer, allocated as returned
       elif v.fresh is None or v.fresh in seen:
         # Results own their memory, as PJRT's do: a constant, an input's memory or a
@@ -357,10 +360,15 @@ def _keeps_row_major(name: str, op, shape) -> bool:
 
 
 def build(block, treedef, device: torch.device,
-          compile_kernel: Callable[[bytes, torch.device], object] = _Kernel) -> Plan:
+          compile_kernel: Callable[[bytes, torch.device], object] = _Kernel, *,
+          in_place: bool = False) -> Plan:
   """The plan of ``main``'s ``block`` (see :func:`lowered_main`) on ``device``; raises
   :class:`Unsupported` naming the first op it cannot run. ``compile_kernel`` turns a
-  Mosaic GPU module's bytes into an object with ``launch(pointers, stream)``."""
+  Mosaic GPU module's bytes into an object with ``launch(pointers, stream)``.
+
+  ``in_place``: a kernel output aliased to a call's tensor (a cache writer's) is written
+  in that tensor's memory, and returned as that tensor. Otherwise such a program has no
+  plan: a call must leave its tensors as they were."""
   from jax._src.lib.mlir.dialects import hlo
 
   values: dict = {}
@@ -397,6 +405,9 @@ def build(block, treedef, device: torch.device,
               raise Unsupported("tupled operand aliases")
             [out] = alias.output_tuple_indices or [0]
             aliases[out] = alias.operand_index
+            target = operands[alias.operand_index]
+            if target.const is not None or (target.fresh is None and not in_place):
+              raise Unsupported("a kernel writes into a call's tensor or a constant")
         results = []
         for r, alias in zip(op.results, aliases, strict=True):
           values[r] = _row_major(slot=new_slot(), fresh=None if alias is not None else fresh)
@@ -437,7 +448,7 @@ def build(block, treedef, device: torch.device,
   if not any(isinstance(s, _KernelStep) for s in steps):
     raise Unsupported("no Mosaic GPU kernel")
   steps, outputs = _returned_in_place(steps, outputs, out_shapes, device)
-  return Plan(steps, outputs, out_shapes, treedef, num_slots, device)
+  return Plan(steps, outputs, out_shapes, treedef, num_slots, device, in_place)
 
 
 def _returned_in_place(steps, outputs, out_shapes, device):
@@ -490,13 +501,14 @@ def _used(steps, outputs):
   return kept[::-1]
 
 
-def make_plan(fn: Callable, tensors: list[torch.Tensor], device: jax.Device) -> Plan:
+def make_plan(fn: Callable, tensors: list[torch.Tensor], device: jax.Device, *,
+              in_place: bool = False) -> Plan:
   """The plan of ``fn(*tensors)`` on the GPU holding ``tensors``; raises
-  :class:`Unsupported` when the op's program has no plan."""
+  :class:`Unsupported` when the op's program has no plan. ``in_place``: see :func:`build`."""
   from torch_bridge._interop import TORCH_TO_JAX_DTYPE
 
   structs = [jax.ShapeDtypeStruct(tuple(t.shape), TORCH_TO_JAX_DTYPE[t.dtype]) for t in tensors]
   _, block, treedef = lowered_main(fn, structs, device)
-  plan = build(block, treedef, tensors[0].device)
+  plan = build(block, treedef, tensors[0].device, in_place=in_place)
   torch.cuda.synchronize(tensors[0].device)  # its constants are ready for any stream
   return plan

@@ -73,8 +73,9 @@ class _Signature:
   """One static signature of a torch op's calls: its validated static arguments, where
   its tensors sit, and one ``jax.jit`` per device (built on first use)."""
 
-  def __init__(self, fn: Callable, params: tuple[str, ...], args: tuple, kwargs: dict):
-    self.fn = fn
+  def __init__(self, fn: Callable, params: tuple[str, ...], args: tuple, kwargs: dict,
+               in_place: bool = False):
+    self.fn, self.in_place = fn, in_place
     self.spec = tuple(
         _DYNAMIC if isinstance(a, _TENSORS)
         else _static(params[i] if i < len(params) else f"args[{i}]", a)
@@ -120,20 +121,32 @@ class _Signature:
     Made on the first call with these shapes and dtypes; a refusal is kept too."""
     device = tensors[0].device
     for t in tensors:
-      if not isinstance(t, torch.Tensor) or t.device != device or not t.is_contiguous():
-        return None  # jax.Arrays, mixed devices, strides: the PJRT path (and its errors)
+      if (not isinstance(t, torch.Tensor) or t.device != device or not t.is_contiguous()
+          or t.data_ptr() % 16):
+        # jax.Arrays, mixed devices, strides, offsets the kernels' 16-byte accesses
+        # cannot take: the PJRT path (and its errors)
+        return None
     key = (device, *[(t.shape, t.dtype) for t in tensors])
     plan = self.plans.get(key)
     if plan is None:
       try:
-        plan = _direct.make_plan(self.bind, tensors, _interop.jax_device(tensors[0]))
+        plan = _direct.make_plan(self.bind, tensors, _interop.jax_device(tensors[0]),
+                                 in_place=self.in_place)
       except (_direct.Unsupported, KeyError) as e:  # KeyError: a dtype JAX cannot take
         plan = _direct.Unsupported(str(e))
       self.plans[key] = plan
     return plan if isinstance(plan, _direct.Plan) else None
 
 
-def torch_op(fn: Callable) -> Callable:
+def _launch(plan: _direct.Plan, tensors: list, stream: torch.cuda.Stream):
+  """Runs a direct plan on ``stream``, under the tensors' device (its kernels' context)."""
+  if tensors[0].device.index != torch.cuda.current_device():
+    with torch.cuda.device(tensors[0].device):
+      return plan(tensors, stream.cuda_stream)
+  return plan(tensors, stream.cuda_stream)
+
+
+def torch_op(fn: Callable, *, in_place: bool = False) -> Callable:
   """Wraps a jax_mla op so that it takes and returns torch tensors.
 
   The wrapper has the op's signature and documentation. Tensor arguments (torch
@@ -153,6 +166,10 @@ def torch_op(fn: Callable) -> Callable:
   A repeated call does no per-argument validation beyond one dictionary lookup of its
   static signature and, per tensor, the device and layout checks and the plan (or
   import-cache) lookup.
+
+  ``in_place`` (a cache writer): the op runs only through a direct plan whose kernels
+  write into the call's tensors (:func:`_direct.build`), and returns them; a call that
+  has no such plan returns ``None`` (the caller writes another way).
   """
   params = tuple(inspect.signature(fn).parameters)
   signatures: dict = {}
@@ -166,10 +183,14 @@ def torch_op(fn: Callable) -> Callable:
     except TypeError:  # an unhashable static argument: _Signature names it
       sig = None
     if sig is None:
-      sig = signatures[key] = _Signature(fn, params, args, kwargs)
+      sig = signatures[key] = _Signature(fn, params, args, kwargs, in_place)
     tensors = [args[i] for i in sig.positions] + [kwargs[k] for k in sig.keywords]
 
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if in_place:
+      stream = _interop.torch_stream(first) if first is tensors[0] else None
+      plan = sig.plan(tensors) if stream is not None and _direct.enabled() else None
+      return None if plan is None else _launch(plan, tensors, stream)
     if first is None:  # jax.Arrays only: a plain call, results to torch.
       out = sig.jit(_array_device(tensors[0]) if tensors else None)(None, *tensors)
       leaf = jax.tree_util.tree_leaves(out)
@@ -178,10 +199,7 @@ def torch_op(fn: Callable) -> Callable:
     if stream is not None and _direct.enabled() and first is tensors[0]:
       plan = sig.plan(tensors)
       if plan is not None:
-        if first.device.index != torch.cuda.current_device():  # its kernels' context
-          with torch.cuda.device(first.device):
-            return plan(tensors, stream.cuda_stream)
-        return plan(tensors, stream.cuda_stream)
+        return _launch(plan, tensors, stream)
     device = _interop.jax_device(first)
     torch_device = first.device
     # JAX must not read before torch's queued work ends. If torch's stream is idle
@@ -224,6 +242,7 @@ filter_prefill_indices = torch_op(indexing.filter_prefill_indices)
 merge_attn_states = torch_op(merge.merge_attn_states)
 lse2_to_lse = torch_op(merge.lse2_to_lse)
 _token_writes = torch_op(cache_api.token_writes)
+_write_in_place = torch_op(cache.concat_and_cache_mla, in_place=True)
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -233,17 +252,28 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
   place, and returns ``kv_cache``: vLLM's ``concat_and_cache_mla``, also in its
   positional form ``(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)``.
 
-  JAX encodes only the new tokens (:func:`jax_mla.cache.api.token_writes`: the same
-  bytes as jax_mla's writer); torch stores them with ``index_put_`` on views of the
-  cache, so the cache is never copied and no call waits for the GPU. ``slot_mapping``
-  int32 or int64 (vLLM's; a slot < 0 skips its token); ``scale`` the ``"fp8"``
-  format's scale (a tensor or a float; the other formats ignore it).
+  On Hopper (fp8_ds_mla, fp8_model1, bf16 latents) jax_mla's Mosaic GPU writer runs on
+  torch's current stream and stores the new tokens straight into the cache
+  (:mod:`torch_bridge._direct`). Otherwise JAX encodes only the new tokens
+  (:func:`jax_mla.cache.api.token_writes`: the same bytes as jax_mla's writer) and torch
+  stores them with ``index_put_`` on views of the cache. Either way the cache is never
+  copied and no call waits for the GPU. ``slot_mapping`` int32 or int64 (vLLM's; a
+  slot < 0 skips its token); ``scale`` the ``"fp8"`` format's scale (a tensor or a
+  float; the other formats ignore it).
 
   The arguments otherwise as in jax_mla's op, below.
   """
   _check_tensors(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+  if slot_mapping.numel() == 0:  # nothing to write (a step without new tokens)
+    return kv_cache
   if slot_mapping.dtype == torch.int64:
     slot_mapping = slot_mapping.to(torch.int32)
+  # vLLM's kv_c and k_pe may be column slices of one projection, as its CUDA writer
+  # takes: they are made row-major here (a few KB per token; the cache is never copied).
+  kv_c, k_pe = _contiguous(kv_c), _contiguous(k_pe)
+  if kv_c.is_cuda and _write_in_place(kv_c, k_pe, kv_cache, slot_mapping,
+                                      kv_cache_dtype=kv_cache_dtype, scale=scale) is not None:
+    return kv_cache
   block, position, rows = _token_writes(kv_c, k_pe, kv_cache, slot_mapping,
                                         kv_cache_dtype=kv_cache_dtype, scale=scale)
   num_blocks, block_size, width = kv_cache.shape

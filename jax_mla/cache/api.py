@@ -1,8 +1,9 @@
 """KV-cache writer: ``concat_and_cache_mla`` (vLLM's op) for every cache format.
 
 The XLA path quantizes all tokens with the format's codec and scatters the rows
-with ``mode="drop"``; the Triton path (fp8_ds_mla, fp8_model1, fp8_v41, fp4_v41)
-quantizes and writes in one kernel, in place through ``input_output_aliases``.
+with ``mode="drop"``; the kernels quantize and write in one pass, in place through
+``input_output_aliases``: Mosaic GPU on Hopper (fp8_ds_mla, fp8_model1, bf16 input),
+Triton elsewhere (also fp8_v41 and fp4_v41).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mla import _mosaic
 from jax_mla._common import (
   Implementation,
   as_int32,
@@ -20,16 +22,21 @@ from jax_mla._common import (
   check_values,
   resolve_implementation,
 )
-from jax_mla.cache import triton
+from jax_mla.cache import mosaic, triton
 from jax_mla.cache.formats import check_cache, resolve
 from jax_mla.cache.layout import Format, TileScaled, check_float
 
 
-def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, config, interpret):
+def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, kernel: str, config,
+           interpret):
+  if slot_mapping.shape[0] == 0:  # nothing to write (and no kernel grid is empty)
+    return kv_cache
+  if kernel == "mosaic":  # reads the first S rows itself: no slice, no concatenated copy
+    return mosaic.write(kv_c, k_pe, kv_cache, slot_mapping, fmt=fmt)
   num_tokens = slot_mapping.shape[0]
   kv_c, k_pe = kv_c[:num_tokens], k_pe[:num_tokens].astype(kv_c.dtype)
   x = jnp.concatenate([kv_c, k_pe], axis=-1)
-  if config is None:
+  if kernel == "xla":
     return fmt.write(kv_cache, x, slot_mapping, scale)
   # The kernel quantizes the leading columns of its input and stores the RoPE bytes
   # as given: V3.2 reads kv_c itself (no concatenated copy), V4 its whole latent;
@@ -41,7 +48,7 @@ def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, config, in
                                 config=config, interpret=interpret)
 
 
-_STATIC = ("fmt", "config", "interpret")
+_STATIC = ("fmt", "kernel", "config", "interpret")
 _concat_and_cache = jax.jit(_write, static_argnames=_STATIC)
 # The caller asked to give its buffer up: the write is in place even outside a jit.
 _concat_and_cache_donated = jax.jit(_write, static_argnames=_STATIC, donate_argnums=(2,))
@@ -142,7 +149,9 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
       ``"fp8_v41"`` or ``"fp4_v41"``.
     scale: per-tensor float32 scale of ``"fp8"`` (default 1.0). Other formats
       carry their own scales and ignore it (vLLM passes one regardless).
-    implementation: ``None``, ``"triton"`` (old name ``"pallas"``) or ``"xla"``. The
+    implementation: ``None``, ``"mosaic"``, ``"triton"`` (old name ``"pallas"``) or
+      ``"xla"``. The Mosaic GPU kernel (Hopper) writes ``"fp8_ds_mla"`` and
+      ``"fp8_model1"`` from bf16 ``kv_c`` and ``k_pe``, and ``None`` picks it there; the
       Triton kernel covers ``"fp8_ds_mla"``, ``"fp8_model1"``, ``"fp8_v41"`` and
       ``"fp4_v41"``; ``"auto"``/``"fp8"`` writes are a plain XLA scatter on every path.
     interpret: run the Triton kernel in the interpreter (CPU tests).
@@ -159,12 +168,16 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
   fmt = resolve(kv_cache_dtype)
   slot_mapping = as_int32("slot_mapping", slot_mapping)
   _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt)
-  implementation = resolve_implementation(implementation, interpret, like=kv_cache)
-  config = check_config(config, triton.Config, implementation)
-  if implementation == "triton" and triton.supports(fmt):
-    config = config or triton.default_config()
-  else:
-    config = None  # no kernel runs: the XLA writer
+  if implementation == "mosaic":
+    mosaic.check_supported(kv_c, k_pe, fmt)
+  kernel = resolve_implementation(implementation, interpret, has_mosaic=True, like=kv_cache)
+  config = check_config(config, triton.Config, kernel)
+  if implementation is None and kernel == "triton" and not interpret and _mosaic.default_for(
+      mosaic.check_supported, kv_c, k_pe, fmt):
+    kernel = "mosaic"
+  if kernel == "triton" and not triton.supports(fmt):
+    kernel = "xla"  # "auto" / "fp8": a plain scatter
+  config = (config or triton.default_config()) if kernel == "triton" else None
   capacity = kv_cache.shape[0] * kv_cache.shape[1]
   if checks:  # the operands are device work: build them only when asked
     check_values(checks, (slot_mapping < capacity,
@@ -172,5 +185,5 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
                           "(negative skips a token); got max {got}",
                           dict(got=jnp.max(slot_mapping, initial=-1))))
   write = _concat_and_cache_donated if donate else _concat_and_cache
-  return write(kv_c, k_pe, kv_cache, slot_mapping, fmt.scale_arg(scale), fmt=fmt, config=config,
-               interpret=interpret)
+  return write(kv_c, k_pe, kv_cache, slot_mapping, fmt.scale_arg(scale), fmt=fmt, kernel=kernel,
+               config=config, interpret=interpret)
