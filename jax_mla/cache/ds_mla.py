@@ -85,7 +85,8 @@ class DsMla(Format):
     if pow2_scales:
       e = jnp.maximum(e4m3.ceil_log2_div448(amax),
                       e4m3.ceil_log2(np.float32(self.pow2_min_scale)))
-      return e4m3.fp8_bytes(tiles * e4m3.exp2_int(-e)[..., None]), e4m3.exp2_int(e)
+      return (e4m3.fp8_bytes(tiles * e4m3.exp2_int(-e)[..., None], sign_of=tiles),
+              e4m3.exp2_int(e))
     scale = jnp.maximum(e4m3.div448(amax), self.min_scale)
     return e4m3.fp8_bytes_of_quotient(tiles, scale[..., None]), scale
 

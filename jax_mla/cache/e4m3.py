@@ -126,10 +126,15 @@ def _with_sign(code: jax.Array, x: jax.Array) -> jax.Array:
   return (code | jnp.where(negative, 0x80, 0)).astype(jnp.uint8)
 
 
-def fp8_bytes(v: jax.Array) -> jax.Array:
+def fp8_bytes(v: jax.Array, sign_of: jax.Array | None = None) -> jax.Array:
   """uint8 bytes of ``float8_e4m3fn(clip(v, +-448))`` for float32 ``v`` (round to
-  nearest even; NaN stays NaN with its sign), from integer bit arithmetic."""
-  return _with_sign(_fp8_code(jax.lax.bitcast_convert_type(v, jnp.int32)), v)
+  nearest even; NaN stays NaN with its sign), from integer bit arithmetic.
+
+  ``sign_of``: the float32 values whose signs the bytes take (default ``v``). Pass the
+  input of a scaled ``v = x * 2**-e``: GPUs return a NaN product as +NaN, so only
+  ``x`` keeps a -NaN's sign on every platform."""
+  return _with_sign(_fp8_code(jax.lax.bitcast_convert_type(v, jnp.int32)),
+                    v if sign_of is None else sign_of)
 
 
 def _ulp_up_down(v: jax.Array) -> tuple[jax.Array, jax.Array]:

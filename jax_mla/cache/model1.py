@@ -97,7 +97,7 @@ class Model1(Format):
     ``e = ceil(log2(max(amax, 1e-4) / 448))``, in [-22, 120] for finite input.
     """
     e = e4m3.ceil_log2_div448(jnp.maximum(e4m3.tile_amax(tiles), self.min_amax))
-    return e4m3.fp8_bytes(tiles * e4m3.exp2_int(-e)[..., None]), e
+    return e4m3.fp8_bytes(tiles * e4m3.exp2_int(-e)[..., None], sign_of=tiles), e
 
   def __post_init__(self):
     if self.exponent_bias != 127:
