@@ -271,33 +271,77 @@ class Plan:
     self.num_slots, self.device = num_slots, device
     self.kernels = [s for s in steps if isinstance(s, _KernelStep)]
     self._per_stream: dict[int, dict] = {}
+    # What a call does, worked out once (a call is host time on every layer).
+    self._blank = [None] * num_slots
+    strided = {s.slot for s in steps if isinstance(s, _ViewStep) and not s.reshape}
+    self._launches = [(
+        step.kernel,
+        tuple((None, v.const.data_ptr()) if v.const is not None else (v.slot, None)
+              for v in step.operands),
+        any(v.slot in strided for v in step.operands if v.const is None),
+        tuple((v.slot, kind, arg, dtype) for v, (kind, arg), (_, dtype)
+              in zip(step.results, step.buffers, step.types, strict=True)),
+    ) if isinstance(step, _KernelStep) else step for step in steps]
+    self._returned = self._returned_as_they_are(out_shapes)
+    self._tuple_out = treedef == jax.tree_util.tree_structure((0,) * len(outputs))
 
-  def _stream_buffer(self, stream: int, key, shape, dtype) -> torch.Tensor:
-    buffers = self._per_stream.setdefault(stream, {})
-    x = buffers.get(key)
-    if x is None:  # allocated on (the caching allocator's pool of) the stream
-      x = buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
-    return x
+  def _returned_as_they_are(self, out_shapes) -> bool:
+    """Whether every output is a kernel buffer allocated in its returned shape (or, in
+    place, the call's own tensor), each once: the call returns them without a look."""
+    allocated = {v.slot: arg for step in self.kernels
+                 for v, (kind, arg) in zip(step.results, step.buffers, strict=True)
+                 if kind == "alloc"}
+    fresh = set()
+    for v, shape in zip(self.outputs, out_shapes, strict=True):
+      if self.in_place and v.fresh is None and v.const is None:
+        continue
+      if v.fresh is None or v.fresh in fresh or allocated.get(v.slot) != tuple(shape):
+        return False
+      fresh.add(v.fresh)
+    return True
 
   def __call__(self, tensors, stream: int):
-    env = list(tensors) + [None] * (self.num_slots - len(tensors))
-    get = lambda v: env[v.slot] if v.const is None else v.const  # noqa: E731
-    for step in self.steps:
-      if isinstance(step, _ViewStep):
-        env[step.slot] = step.fn(*map(get, step.operands))
+    env = [*tensors, *self._blank]
+    per_stream = self._per_stream.get(stream)
+    if per_stream is None:
+      per_stream = self._per_stream[stream] = {}
+    for step in self._launches:
+      if step.__class__ is _ViewStep:
+        env[step.slot] = step.fn(*[env[v.slot] if v.const is None else v.const
+                                   for v in step.operands])
         continue
-      ins = [x if x.is_contiguous() else x.contiguous() for x in map(get, step.operands)]
-      outs = [torch.empty(arg, dtype=dtype, device=self.device) if kind == "alloc"
-              else arg if kind == "scratch" else ins[arg] if kind == "alias"
-              else self._stream_buffer(stream, v.slot, arg, dtype)
-              for (kind, arg), (_, dtype), v in zip(step.buffers, step.types, step.results,
-                                                    strict=True)]
-      step.kernel.launch([x.data_ptr() for x in ins] + [x.data_ptr() for x in outs], stream)
-      for v, x in zip(step.results, outs, strict=True):
-        env[v.slot] = x
+      kernel, reads, check, writes = step
+      if check:  # a view may be strided: the kernel takes row-major memory
+        for slot, _ in reads:
+          if slot is not None and not env[slot].is_contiguous():
+            env[slot] = env[slot].contiguous()
+      pointers = [ptr if slot is None else env[slot].data_ptr() for slot, ptr in reads]
+      for slot, kind, arg, dtype in writes:
+        if kind == "alloc":
+          x = torch.empty(arg, dtype=dtype, device=self.device)
+        elif kind == "scratch":
+          x = arg
+        elif kind == "alias":
+          x = env[reads[arg][0]]
+        else:  # "stream": allocated on (the caching allocator's pool of) the stream
+          x = per_stream.get(slot)
+          if x is None:
+            x = per_stream[slot] = torch.empty(arg, dtype=dtype, device=self.device)
+        env[slot] = x
+        pointers.append(x.data_ptr())
+      kernel.launch(pointers, stream)
+    if self._returned:
+      leaves = [env[v.slot] for v in self.outputs]
+    else:
+      leaves = self._leaves(env)
+    if self._tuple_out:
+      return tuple(leaves)
+    return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+  def _leaves(self, env):
     leaves, seen = [], set()
     for v, strides in zip(self.outputs, self.out_strides, strict=True):
-      x = get(v)
+      x = env[v.slot] if v.const is None else v.const
       if self.in_place and v.fresh is None and v.const is None:
         pass  # the call's own tensor (or a view of it), written in place
       elif v.fresh is not None and v.fresh not in seen and x.stride() == strides:
@@ -312,7 +356,7 @@ class Plan:
         if x.stride() != strides:  # row-major, but a size-1 axis kept a permuted stride
           x = x.as_strided(x.shape, strides)
       leaves.append(x)
-    return jax.tree_util.tree_unflatten(self.treedef, leaves)
+    return leaves
 
 
 def lowered_main(fn: Callable, structs, device: jax.Device | None, platform: str = "cuda"):
@@ -408,6 +452,8 @@ def build(block, treedef, device: torch.device,
             target = operands[alias.operand_index]
             if target.const is not None or (target.fresh is None and not in_place):
               raise Unsupported("a kernel writes into a call's tensor or a constant")
+            if target.dense_source is None:  # a call would write into a row-major copy
+              raise Unsupported("a kernel writes into a strided view")
         results = []
         for r, alias in zip(op.results, aliases, strict=True):
           values[r] = _row_major(slot=new_slot(), fresh=None if alias is not None else fresh)

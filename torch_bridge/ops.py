@@ -40,6 +40,9 @@ from torch_bridge import _direct, _interop
 
 _DYNAMIC = object()  # marks a tensor position in a call's static signature
 _TENSORS = (torch.Tensor, jax.Array)
+# Static values' types: a call's key skips the isinstance test on them (against jax.Array it
+# costs 0.2 us, and a decode call has a dozen such arguments).
+_PLAIN = frozenset({type(None), bool, int, float, str})
 
 
 def _static(name: str, value):
@@ -120,13 +123,16 @@ class _Signature:
     """The direct-launch plan for CUDA ``tensors`` (None: the op takes the PJRT path).
     Made on the first call with these shapes and dtypes; a refusal is kept too."""
     device = tensors[0].device
+    key = [device]
     for t in tensors:
-      if (not isinstance(t, torch.Tensor) or t.device != device or not t.is_contiguous()
-          or t.data_ptr() % 16):
+      if (type(t) is not torch.Tensor and not isinstance(t, torch.Tensor) or t.device != device
+          or not t.is_contiguous() or t.data_ptr() % 16):
         # jax.Arrays, mixed devices, strides, offsets the kernels' 16-byte accesses
         # cannot take: the PJRT path (and its errors)
         return None
-    key = (device, *[(t.shape, t.dtype) for t in tensors])
+      key.append(t.shape)
+      key.append(t.dtype)
+    key = tuple(key)
     plan = self.plans.get(key)
     if plan is None:
       try:
@@ -176,8 +182,10 @@ def torch_op(fn: Callable, *, in_place: bool = False) -> Callable:
 
   @functools.wraps(fn, updated=())  # not fn.__dict__ (its `sharding` is for jax arrays)
   def wrapper(*args, **kwargs):
-    key = (tuple([_DYNAMIC if isinstance(a, _TENSORS) else a for a in args]),
-           tuple([(k, _DYNAMIC if isinstance(v, _TENSORS) else v) for k, v in kwargs.items()]))
+    key = (tuple([_DYNAMIC if type(a) not in _PLAIN and isinstance(a, _TENSORS) else a
+                  for a in args]),
+           tuple([(k, _DYNAMIC if type(v) not in _PLAIN and isinstance(v, _TENSORS) else v)
+                  for k, v in kwargs.items()]))
     try:
       sig = signatures.get(key)
     except TypeError:  # an unhashable static argument: _Signature names it
@@ -186,7 +194,11 @@ def torch_op(fn: Callable, *, in_place: bool = False) -> Callable:
       sig = signatures[key] = _Signature(fn, params, args, kwargs, in_place)
     tensors = [args[i] for i in sig.positions] + [kwargs[k] for k in sig.keywords]
 
-    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    first = None
+    for t in tensors:
+      if isinstance(t, torch.Tensor):
+        first = t
+        break
     if in_place:
       stream = _interop.torch_stream(first) if first is tensors[0] else None
       plan = sig.plan(tensors) if stream is not None and _direct.enabled() else None
