@@ -16,7 +16,8 @@ reshapes, transposes, slices and input-free constants, none of that is needed: a
 so the kernels are ordered with torch's own work by the stream alone, and the host
 never waits. Constants (e.g. a full ``topk`` length per token, ``-inf`` sinks) are
 computed once, when the plan is made. An op whose program holds anything else (an
-XLA fusion, a Triton kernel) has no plan and takes the PJRT path.
+XLA fusion, a Triton kernel) has no plan and takes the PJRT path, as does a kernel
+that writes into a call's tensor, except in a plan made ``in_place`` (the cache write).
 """
 
 from __future__ import annotations

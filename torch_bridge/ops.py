@@ -15,7 +15,8 @@ array where the op takes an array is refused with a TypeError naming the argumen
 (convert it first, e.g. ``torch.tensor(x, dtype=torch.int32)``).
 
 ``concat_and_cache_mla`` writes into the torch cache's own memory, in place (also in
-vLLM's positional form): JAX encodes only the new tokens, torch stores them.
+vLLM's positional form): on Hopper the Mosaic GPU writer, launched directly; elsewhere
+JAX encodes only the new tokens and torch stores them.
 
 FlashMLA drop-ins (``deepseek-ai/FlashMLA`` ``flash_mla_interface``):
 ``get_mla_metadata``, ``flash_mla_with_kvcache``, ``flash_mla_sparse_fwd``,
