@@ -77,10 +77,11 @@ def test_odd_topk(topk, h_q):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("topk", [190, 192])  # the XLA pre-pass; the kernel's own masking
 @pytest.mark.parametrize("h_q", [128, 24])
-def test_topk_length_short_zero_and_over(h_q):
+def test_topk_length_short_zero_and_over(h_q, topk):
   rng = np.random.default_rng(3)
-  q, kv, idx = _case(rng, S_Q, h_q, 576, S_KV, 190)
+  q, kv, idx = _case(rng, S_Q, h_q, 576, S_KV, topk)
   lengths = jnp.asarray([0, 1, 63, 64, 65, 190, 500, -3], jnp.int32)
   # Sinks of -inf change nothing; given, the kernel is test_sinks[576]'s.
   _check(q, kv, idx, topk_length=lengths, attn_sink=jnp.full((h_q,), -jnp.inf, jnp.float32))
@@ -132,6 +133,29 @@ DECODE_CASES = [
 def test_decode_matches_reference(case):
   """Small batches: the head-block cases run split (default_num_splits) and combined."""
   _check_decode(case)
+
+
+# topk a multiple of 64 with lengths: the gather refuses the positions past them itself
+# (no index pre-pass); head-block (with and without the 2-CTA pair), transposed, padded
+# heads, an extra set, every split count.
+MASKED_CASES = [
+    ("fp8_ds_mla", 5, 2, 128, 192, 10, 61, True, True, None),
+    ("fp8_model1", 3, 2, 128, 128, 3, 256, True, True, (192, 12, 64)),
+    ("fp8_ds_mla", 3, 2, 16, 256, 11, 64, True, True, None),
+    ("auto", 2, 2, 48, 128, 5, 61, True, True, (64, 40, 2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("case", MASKED_CASES, ids=lambda c: f"{c[0]}-h{c[3]}-x{c[9]}")
+def test_decode_lengths_masked_in_the_gather(case, num_splits):
+  fmt = resolve(case[0])
+  _check_decode(case, dataclasses.replace(mosaic.default_config(fmt, case[3]),
+                                          num_splits=num_splits))
+  if case[3] == 128 and num_splits is None:
+    cfg = mosaic.default_config(fmt, 128)
+    _check_decode(case, dataclasses.replace(cfg, pair=not cfg.pair))
 
 
 @pytest.mark.gpu
@@ -188,6 +212,26 @@ def test_split_decode_lowers(h_q):
       s((4, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8), s((4, 256), jnp.int32),
       s((h_q,), jnp.float32))
   assert lowered.as_text().count("mosaic_gpu_v2") == 2
+
+
+@pytest.mark.parametrize(("h_q", "pair", "producers"), [(128, True, 1), (128, False, 1),
+                                                       (16, False, 1), (16, False, 2)])
+def test_decode_with_lengths_lowers(h_q, pair, producers):
+  """The gather that masks positions past the lengths itself (topk a multiple of 64):
+  head-block with and without the 2-CTA pair, transposed with one and two producers, a
+  main and an extra set; runs without a GPU."""
+  fmt = resolve("fp8_ds_mla")
+  registers = dict(consumer_registers=168, producer_registers=88) if producers == 2 else {}
+  config = dataclasses.replace(mosaic.default_config(fmt, h_q), pair=pair, producers=producers,
+                               **registers)
+  s = jax.ShapeDtypeStruct
+  text = lowers_for_cuda(
+      lambda q, cache, idx, n, e_idx: mosaic.sparse_decode(
+          q, [(cache, idx, n), (cache, e_idx, n)], None, fmts=(fmt, fmt), sm_scale=0.1,
+          config=config),
+      s((4, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8), s((4, 256), jnp.int32),
+      s((4,), jnp.int32), s((4, 128), jnp.int32)).as_text()
+  assert "stablehlo.select" not in text  # no index pre-pass
 
 
 def test_default_num_splits_fills_the_sms():

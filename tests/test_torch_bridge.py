@@ -571,13 +571,46 @@ def test_direct_plan_of_dense_decode(num_splits):
   assert plan.steps == plan.kernels and len(plan.kernels) == num_splits
 
 
-@pytest.mark.parametrize(("topk", "lengths"), [(100, False), (128, True)])
-def test_direct_plan_refuses_programs_with_other_work(topk, lengths):
-  """A topk that is not a multiple of 64 or per-request lengths need the index pre-pass
-  (an XLA fusion): no plan, the call takes the PJRT path."""
+def test_direct_plan_of_sparse_prefill():
+  """``flash_mla_sparse_fwd``'s program (``topk`` a multiple of 64, with or without
+  ``topk_length``) is the prefill kernel alone; another ``topk`` has the index pre-pass
+  and no plan."""
+  pytest.importorskip("absl")
+  from jax_mla.sparse_mla import api as sparse_api
+  from jax_mla.sparse_mla import mosaic
+  from torch_bridge import _direct
+  s = jax.ShapeDtypeStruct
+  structs = [s((8, 64, 576), jnp.bfloat16), s((1000, 576), jnp.bfloat16), s((8, 128), jnp.int32)]
+  prefill = functools.partial(sparse_api._prefill, sm_scale=0.1, d_v=512, impl="mosaic",
+                              config=mosaic.default_config(None, 64), interpret=False)
+  for lengths in ([], [s((8,), jnp.int32)]):
+    module, block, treedef = _direct.lowered_main(
+        lambda q, kv, i, *n: prefill(q, kv, i, None, *(n or [None])), structs + lengths, None)
+    plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+    assert plan.steps == plan.kernels and len(plan.kernels) == 1
+    del module
+  odd = _direct.lowered_main(lambda q, kv, i: prefill(q, kv, i[:, :100], None, None), structs,
+                             None)
+  with pytest.raises(_direct.Unsupported, match="op stablehlo"):
+    _direct.build(*odd[1:], torch.device("cpu"), _RecordingKernel)
+  del odd
+
+
+@pytest.mark.parametrize("lengths", [False, True])
+def test_direct_plan_refuses_programs_with_other_work(lengths):
+  """A topk that is not a multiple of 64 needs the index pre-pass (an XLA fusion): no
+  plan, the call takes the PJRT path."""
   from torch_bridge import _direct
   with pytest.raises(_direct.Unsupported, match="op stablehlo"):
-    _decode_plan(2, 64, topk, lengths)
+    _decode_plan(2, 64, 100, lengths)
+
+
+def test_direct_plan_of_sparse_decode_with_lengths():
+  """Per-request lengths with topk a multiple of 64: the kernel masks the positions past
+  them itself, so the program is the kernel alone, reading the caller's lengths."""
+  plan = _decode_plan(3, 64, 128, lengths=True)
+  [step] = plan.kernels
+  assert plan.steps == [step] and step.operands[0].slot == 3  # q, cache, indices, lengths
 
 
 def _cache_write_program(fmt, num_tokens, latent_rows, nb=3, bs=16):

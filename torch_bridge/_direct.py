@@ -391,10 +391,16 @@ def lowered_main(fn: Callable, structs, device: jax.Device | None, platform: str
 
 
 def _keeps_row_major(name: str, op, shape) -> bool:
-  """Whether a reshape, transpose or pad of a row-major value is the same memory,
-  row-major (a pad by nothing is: jnp.pad emits one for a zero width)."""
+  """Whether a reshape, transpose, pad or broadcast of a row-major value is the same
+  memory, row-major (a pad by nothing is: jnp.pad emits one for a zero width; so is a
+  broadcast that only adds size-1 axes, as ``x[:, None]`` and ``jnp.stack([x])`` do)."""
   if name == "stablehlo.reshape":
     return True
+  if name == "stablehlo.broadcast_in_dim":
+    dims = _i64s(op.attributes["broadcast_dimensions"])
+    out, _ = _tensor_type(op.result)
+    return (np.prod(out) == np.prod(shape) and dims == sorted(dims)
+            and all(out[d] == n for d, n in zip(dims, shape, strict=True)))
   if name == "stablehlo.pad":
     return not any(width for k in ("edge_padding_low", "edge_padding_high", "interior_padding")
                    for width in _i64s(op.attributes[k]))

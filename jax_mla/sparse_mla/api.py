@@ -199,13 +199,16 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "d_v", "impl", "config", "interpret"))
 def _prefill(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, impl, config, interpret):
-  lengths = token_lengths(indices, topk_length)
   return _differentiable_prefill((sm_scale, d_v, impl, config, interpret), q, kv, indices,
-                                 attn_sink, lengths)
+                                 attn_sink, topk_length)
 
 
 def _prefill_forward(statics, q, kv, indices, attn_sink, lengths):
+  """``lengths``: ``topk_length`` (None: every entry counts; the Mosaic GPU kernel then
+  takes the indices as they are, with no XLA pre-pass)."""
   sm_scale, d_v, impl, config, interpret = statics
+  if impl != "mosaic":
+    lengths = token_lengths(indices, lengths)
   if impl == "xla":
     return reference.sparse_prefill(q, kv, indices, attn_sink, lengths, sm_scale=sm_scale,
                                     d_v=d_v)
@@ -229,6 +232,7 @@ def _prefill_fwd(statics, q, kv, indices, attn_sink, lengths):
 def _prefill_bwd(statics, residuals, cotangents):
   sm_scale, d_v, impl, _, interpret = statics
   q, kv, indices, attn_sink, lengths, out, lse = residuals
+  lengths = token_lengths(indices, lengths)
   d_out, _, d_lse = cotangents  # max_logits is treated as a constant
   if impl == "xla":
     dq, dkv, dsink = backward.sparse_prefill_bwd(q, kv, indices, attn_sink, lengths, out, lse,

@@ -187,7 +187,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   r0 = t * h_q + h0
   # The sets' steps run back to back in one softmax: set k's rows are steps
   # first[k] .. first[k + 1] - 1.
-  first, base = split_steps(first_steps(len_ref, t, num_sets), splits)
+  first, base = split_steps(first_steps(len_ref, t, idx_refs), splits)
   out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
   steps = first[-1]
   has_rope = d_qk > D_MAIN
@@ -247,7 +247,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     if has_rope:
       q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
     q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
-    produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+    produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
             kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
             barriers=(q_bar, kv_bar, free_bar), first=first, base=base,
             pair=pair_bars[0] if pair else None)
@@ -351,8 +351,8 @@ def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Conf
   :func:`jax_mla.sparse_mla.sparse_mla_prefill` and :func:`check_supported`.
 
   ``q[s_q, h_q, d_qk]``, ``kv[s_kv, d_qk]``, ``indices[s_q, topk]``, ``attn_sink``
-  ``[h_q]`` float32 or None, ``lengths`` ``[s_q]`` int32. Returns ``(out, max_logits,
-  lse)``.
+  ``[h_q]`` float32 or None, ``lengths`` ``[s_q]`` int32 or None (every entry counts).
+  Returns ``(out, max_logits, lse)``.
   """
   return attend(q, [(kv[:, None], indices, lengths)], attn_sink, fmts=(None,),
                  sm_scale=sm_scale, config=config)

@@ -25,9 +25,12 @@ producer then gathers half of every step's rows and stores them into both CTAs' 
 (``st.async``, counted by a per-stage mbarrier, :func:`init_pair`), so a row is
 loaded and dequantized once per token, not once per head block.
 
-The gather refuses slots outside the cache itself. Where a set has lengths or a
-``topk`` that is not a multiple of 64, the wrappers also fold positions past the
-length into ``-1`` and pad ``topk`` to a multiple of 64 (:func:`clean_indices`).
+The gather refuses slots outside the cache itself, and, where a set has lengths, the
+positions past its token's length (``gather_fn(masked=True)``), so with a ``topk`` that
+is a multiple of 64 the indices and lengths go in as the caller gave them: the program
+is the kernel alone (the torch bridge then launches it directly). Another ``topk`` is
+padded to a multiple of 64 by an XLA pre-pass that also folds the positions past the
+length into ``-1`` (:func:`clean_indices`).
 """
 
 from __future__ import annotations
@@ -72,34 +75,40 @@ def clean_indices(indices, lengths, num_slots):
 def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
-  ``fmts``: ``(gathers, lengths[num_sets, T] clipped to [0, topk], cleaned indices,
-  cache rows)``. ``pair``: see :func:`gather_fn`."""
+  ``fmts``: ``(gathers, lengths[num_sets, T] (:func:`first_steps` clips them to [0,
+  topk]), indices (cleaned where ``topk`` is not a multiple of 64), cache rows)``.
+  ``pair``: see :func:`gather_fn`."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
     num_slots = num_blocks * block_size
     tokens, topk = indices.shape
+    masked = lengths is not None and topk % BLOCK_K == 0
     if lengths is None and topk % BLOCK_K == 0:
-      # Every entry counts and no step is partial: the gather itself refuses slots
-      # outside the cache, so the indices go in as they are (no XLA pre-pass).
       lengths = jnp.full((tokens,), topk, jnp.int32)
-    else:
+    elif not masked:  # a partial last step: indices padded, positions past lengths -1
       lengths = jnp.clip(token_lengths(indices, lengths), 0, topk)
       indices = clean_indices(indices, lengths, num_slots)
+    # Otherwise the gather refuses slots outside the cache and (masked) positions past
+    # the length itself, and the kernel clips the lengths: no XLA pre-pass.
     all_indices.append(indices)
     all_lengths.append(lengths)
     all_rows.append(cache.reshape(num_slots, width))
     gathers.append(gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
-                             row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair))
+                             row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair,
+                             masked=masked))
   return tuple(gathers), jnp.stack(all_lengths), all_indices, all_rows
 
 
-def first_steps(len_ref, t, num_sets: int):
+def first_steps(len_ref, t, idx_refs):
   """``first``: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (the sets' steps
-  run back to back in one softmax); ``first[-1]`` is the token's number of steps."""
+  run back to back in one softmax); ``first[-1]`` is the token's number of steps. Set
+  ``k``'s length is clipped to ``[0, topk]`` (``idx_refs[k]``: its ``[T, topk]``
+  indices)."""
   first = [0]
-  for k in range(num_sets):
-    first.append(first[-1] + lax.div(len_ref[k, t] + (BLOCK_K - 1), BLOCK_K))
+  for k, idx_ref in enumerate(idx_refs):
+    length = jnp.minimum(jnp.maximum(len_ref[k, t], 0), idx_ref.shape[1])
+    first.append(first[-1] + lax.div(length + (BLOCK_K - 1), BLOCK_K))
   return first
 
 
@@ -117,8 +126,9 @@ def split_steps(first, splits: int):
           [jnp.maximum(lo - f, 0) for f in first[:-1]])
 
 
-def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope, valid,
-            barriers, first, base=None, producer: int = 0, producers: int = 1, pair=None):
+def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main, kv_rope,
+            valid, barriers, first, base=None, producer: int = 0, producers: int = 1,
+            pair=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
   With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with ``i %
@@ -129,8 +139,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
     t: the token.
     q_copies: ``(src, dst)`` pairs copied with TMA onto the query barrier (the query
       tiles and the sink) by producer 0.
-    gathers: one :func:`gather_fn` per key set; ``idx_refs``, ``kv_refs``: the sets'
-      cleaned indices ``[T, topk]`` and cache rows.
+    gathers: one :func:`gather_fn` per key set; ``idx_refs``, ``kv_refs``, ``len_ref``:
+      the sets' indices ``[T, topk]``, cache rows and lengths ``[num_sets, T]``.
     kv_main, kv_rope: the SMEM ring ``[stages, 2, 64, 256]`` and ``[stages, 64, rope]``.
     valid: SMEM int32 ``[stages + 2 * producers, 64]``: each stage's key validity
       (written here), then two rows per producer where each of its steps stages the
@@ -175,7 +185,9 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
 
   for k, (gather_fn_k, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
                                                         strict=True)):
-    gather = plgpu.inline_mgpu(arg_types=arg_types)(gather_fn_k)
+    masked = gather_fn_k.masked
+    gather = plgpu.inline_mgpu(arg_types=arg_types + (plgpu.RefType(),) * (3 * masked))(
+        gather_fn_k)
     offset = (0 if base is None else base[k]) - first[k]  # step i reads block i + offset
     start = first[k] + lax.rem(producer - lax.rem(first[k], producers) + producers, producers)
     # The set's first step of this producer reads indices staged here (a producer with
@@ -185,7 +197,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
     stage(idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)], staged(start))
 
     @pl.loop(start, first[k + 1], step=producers)
-    def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset):
+    def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset, masked=masked):
       slot = lax.rem(i, num_stages)
 
       # This producer's previous step landed while the consumers worked: publish it
@@ -202,9 +214,14 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
       # The set's last step has no next: it restages its own indices (same values).
       has_next = (i + producers < first[k + 1]).astype(jnp.int32)
       nxt = i + offset + producers * has_next
+      # A masked gather also gets its step's and its row's first index blocks (their
+      # distance is the step's position in the row) and the token's length.
+      where = ((idx_ref.at[t, pl.ds((i + offset) * BLOCK_K, BLOCK_K)],
+                idx_ref.at[t, pl.ds(0, BLOCK_K)], len_ref.at[k, pl.ds(t, 1)])
+               if masked else ())
       gather(idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
              kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next),
-             *(() if pair is None else (pair.at[slot],)))
+             *(() if pair is None else (pair.at[slot],)), *where)
 
   steps = first[-1]
   last = steps - 1 - lax.rem(steps - 1 - producer + producers, producers)  # its last step
@@ -215,7 +232,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, kv_main, kv_rope,
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
-              d_qk: int, pair: bool = False):
+              d_qk: int, pair: bool = False, masked: bool = False):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
@@ -232,6 +249,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   stage and, with ``st.async``, into the peer's, where the slot's pair mbarrier
   (:func:`init_pair`) counts the bytes; so each row is loaded and dequantized once per
   token instead of once per head block.
+
+  ``masked``: positions at or past the token's length are refused too (read nothing,
+  left zero, marked invalid): the gather then takes three more refs, its step's and its
+  row's first 64 indices (in GMEM; only their addresses are used) and the token's
+  length (``[1]`` int32, as given: a negative one refuses every row).
   """
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -247,13 +269,14 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   peer_bytes = BLOCK_K // 2 * (2 * max(d_qk, D_MAIN) + 4)
 
   def gather(ctx, next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
-             pair_ref=None):
+             *extra_refs):
     """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
     set's prologue, :func:`stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
     step's indices in GMEM and where to stage them (``cp.async``, waited for with the
-    step's copies): the index loads leave the steps' critical path. ``pair_ref``: the
-    slot's pair mbarrier (pair only)."""
+    step's copies): the index loads leave the steps' critical path. ``extra_refs``: the
+    slot's pair mbarrier (pair only), then the ``masked`` refs."""
     del ctx
+    pair_ref = extra_refs[0] if pair else None
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i8 = ir.IntegerType.get_signless(8)
@@ -309,10 +332,21 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       off = arith.muli(row, c32(4))
       llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
                       "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
+    if masked:  # rows at or past this many are refused
+      step_ref, row_ref, len_ref = extra_refs[-3:]
+      address = lambda ref: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref))  # noqa: E731
+      position = arith.trunci(i32, arith.divui(arith.subi(address(step_ref), address(row_ref)),
+                                               c64(4)))
+      length = llvm.inline_asm(i32, [llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                                        mgpu_utils.memref_ptr(len_ref))],
+                               "ld.global.b32 $0, [$1];", "=r,l")
+      left = arith.subi(length, position)  # may be negative: every row is refused
     rows, scales, oks = [], [], []
     for row, idx in zip(thread_rows, idxs, strict=True):
       ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0)),
                       arith.cmpi(arith.CmpIPredicate.slt, idx, c32(num_slots)))
+      if masked:
+        ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.slt, row, left))
       slot = arith.select(ok, idx, c32(0))
       if isinstance(fmt, Model1):  # data at j * 576 of the block, scales at bs*576 + j*8
         block = arith.extui(i64, arith.divui(slot, c32(block_size)))
@@ -395,6 +429,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                         has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
+  gather.masked = masked
   return gather
 
 

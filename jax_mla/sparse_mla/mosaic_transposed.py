@@ -62,7 +62,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   h0 = lax.axis_index("h") * heads
   wg = lax.axis_index("wg")
   r0 = t * h_pad + h0
-  first, base = split_steps(first_steps(len_ref, t, num_sets), splits)
+  first, base = split_steps(first_steps(len_ref, t, idx_refs), splits)
   part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
 
@@ -123,7 +123,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     @pl.when(wg == 2 + p)
     def _producer(p=p):
       _mosaic.set_registers(plgpu, config.producer_registers, 2 + config.producers)
-      produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+      produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, base=base, producer=p,
               producers=config.producers)
