@@ -50,14 +50,16 @@ def _nan_unused(rows, idx):
 
 
 def sparse_prefill(impl):
-  """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads)."""
+  """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads);
+  topk 150 (Mosaic GPU: the index pre-pass) and 192 (the gather masks the lengths)."""
   rng = np.random.default_rng(0)
-  for d_qk, h_q in ((576, 128), (512, 128), (576, 24)):
-    s_q, s_kv, topk = 5, 300, 150
+  for d_qk, h_q, topk in ((576, 128, 150), (512, 128, 150), (576, 24, 150), (576, 128, 192),
+                          (576, 24, 192)):
+    s_q, s_kv = 5, 300
     idx = _bad_indices(rng, (s_q, topk), s_kv)
     kv = _nan_unused(rng.standard_normal((s_kv, d_qk)).astype(np.float32) / 3, idx)
     q = rng.standard_normal((s_q, h_q, d_qk)) / 3
-    lengths = np.asarray([150, 0, 64, 65, 3], np.int32)
+    lengths = np.asarray([topk, 0, 64, 65, 3 if topk == 150 else 500], np.int32)
     yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
                              jnp.asarray(idx), sm_scale=d_qk ** -0.5, topk_length=lengths,
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
@@ -95,10 +97,23 @@ def sparse_decode(impl):
     yield sparse_mla_decode(q, main, idx, kv_cache_dtype=fmt, extra_kv_cache=extra[0],
                             extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
                             implementation=impl, **kw)[0]
+  # Lengths the gather masks itself (topk and extra topk multiples of 64): head-block,
+  # the 2-CTA pair (fp8_model1 at 128 heads) and transposed.
+  for fmt, d_qk, h_q in (("fp8_ds_mla", 576, 64), ("fp8_model1", 512, 128),
+                         ("fp8_ds_mla", 576, 16)):
+    main, idx = cache(5, 64, 128, fmt, d_qk)
+    extra = cache(7, 2, 64, fmt, d_qk)
+    q = jnp.asarray(rng.standard_normal((b, s_q, h_q, d_qk)) / 3, jnp.bfloat16)
+    yield sparse_mla_decode(q, main, idx, kv_cache_dtype=fmt, extra_kv_cache=extra[0],
+                            extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
+                            extra_topk_length=jnp.asarray([64, 3], jnp.int32),
+                            implementation=impl)[0]
   # Small batches split each token's keys over CTAs (Mosaic GPU: then a combine kernel):
-  # without topk lengths and topk a multiple of 64 (no index pre-pass), and with them.
+  # without topk lengths and topk a multiple of 64 (no index pre-pass), with them (masked
+  # by the gather), and with a topk that needs the pre-pass.
   sink = jnp.asarray([-np.inf, np.inf] + [0.5] * 126, jnp.float32)
-  for topk, lengths in ((512, None), (600, jnp.asarray([600, 9], jnp.int32))):
+  for topk, lengths in ((512, None), (640, jnp.asarray([600, 9], jnp.int32)),
+                        (600, jnp.asarray([600, 9], jnp.int32))):
     main, idx = cache(12, 64, topk, "fp8_ds_mla", 576, s_q=1)
     q = jnp.asarray(rng.standard_normal((b, 1, 128, 576)) / 3, jnp.bfloat16)
     yield sparse_mla_decode(q, main, idx, topk_length=lengths, attn_sink=sink,
