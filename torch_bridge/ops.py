@@ -161,9 +161,10 @@ def torch_op(fn: Callable, *, in_place: bool = False) -> Callable:
   every other argument is static and compiled in.
 
   On CUDA, where the op's program for the call's shapes is Mosaic GPU kernels plus
-  views and constants (e.g. the sparse MLA decode and prefill without lengths), the
-  kernels are launched on torch's current stream without PJRT (:mod:`._direct`: one
-  plan per static signature, shapes and dtypes; outputs allocated by torch). Otherwise
+  views and constants (e.g. the sparse MLA decode and prefill with ``topk`` a multiple
+  of 64), the kernels are launched on torch's current stream without PJRT
+  (:mod:`._direct`: one plan per static signature, shapes and dtypes; outputs allocated
+  by torch). Otherwise
   one ``jax.jit`` of ``fn`` is kept per static signature and device (jit caches its
   executable per shape and dtype); on CUDA the executable waits for torch's current
   stream when that stream has unfinished work, torch's current stream waits (on the
