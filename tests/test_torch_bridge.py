@@ -320,6 +320,12 @@ def test_flashmla_dense_drop_in_matches_jax():
                                topk_length=sl)
   with pytest.raises(ValueError, match="num_splits"):
     ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, meta, sl)
+  # FlashMLA's earlier interface, as vLLM's backends call it: scheduler tensors, ignored.
+  old = ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, torch.zeros(8, 8, dtype=torch.int32),
+                                   torch.zeros(3, dtype=torch.int32), causal=False)
+  _assert_same(old, ref)
+  with pytest.raises(TypeError, match="num_splits"):
+    ops.flash_mla_with_kvcache(q, k_cache, bt, sl, 512, torch.zeros(8, dtype=torch.int32), 3)
 
 
 def test_model1_flashmla_view_round_trips():

@@ -402,8 +402,8 @@ def flash_mla_with_kvcache(
     block_table: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None,
     head_dim_v: int,
-    tile_scheduler_metadata: FlashMLASchedMeta,
-    num_splits: None = None,
+    tile_scheduler_metadata: FlashMLASchedMeta | torch.Tensor,
+    num_splits: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     is_fp8_kvcache: bool = False,
@@ -430,8 +430,10 @@ def flash_mla_with_kvcache(
     block_table, cache_seqlens: ``[batch, max_blocks]`` / ``[batch]`` int32
       (dense mode).
     head_dim_v: 512.
-    tile_scheduler_metadata: from :func:`get_mla_metadata`.
-    num_splits: must be None.
+    tile_scheduler_metadata: from :func:`get_mla_metadata`; or, FlashMLA's earlier
+      interface (vLLM's FlashMLA backends), its scheduler tensor, ignored with
+      ``num_splits``: jax_mla schedules its kernels itself.
+    num_splits: None; a tensor only with a tensor ``tile_scheduler_metadata``.
     softmax_scale: default ``head_dim ** -0.5``.
     causal: dense mode only.
     indices: ``[batch, s_q, topk]`` int32 global slots ``block * block_size + offset``.
@@ -447,23 +449,29 @@ def flash_mla_with_kvcache(
                  extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
                  extra_topk_length=extra_topk_length)
   meta = tile_scheduler_metadata
-  if not isinstance(meta, FlashMLASchedMeta):
-    raise TypeError("tile_scheduler_metadata must come from torch_bridge.ops.get_mla_metadata; "
-                    f"got {type(meta).__name__}")
-  if num_splits is not None:
-    raise ValueError("num_splits must be None (FlashMLA's current interface)")
-  topk = indices.shape[-1] if indices is not None else None
-  config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal,
-            is_fp8_kvcache, topk,
-            extra_k_cache.shape[1] if extra_k_cache is not None else None,
-            extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None else None)
-  if not meta.have_initialized:
-    meta.have_initialized, meta.config = True, config
-  elif meta.config != config:
-    raise ValueError(
-        "the arguments differ from the first call made with this tile_scheduler_metadata "
-        f"(b, s_q, h_q, block_size, h_k, causal, is_fp8, topk, extra_block_size, extra_topk): "
-        f"{meta.config} then {config}; get a new one from get_mla_metadata")
+  if isinstance(meta, torch.Tensor):  # FlashMLA's earlier interface: nothing to check
+    if num_splits is not None and not isinstance(num_splits, torch.Tensor):
+      raise TypeError(f"num_splits must be a tensor or None; got {type(num_splits).__name__}")
+    meta = None
+  elif not isinstance(meta, FlashMLASchedMeta):
+    raise TypeError("tile_scheduler_metadata must come from torch_bridge.ops.get_mla_metadata "
+                    f"(or be FlashMLA's earlier scheduler tensor); got {type(meta).__name__}")
+  elif num_splits is not None:
+    raise ValueError("num_splits must be None with get_mla_metadata's FlashMLASchedMeta "
+                     "(FlashMLA's current interface)")
+  if meta is not None:  # FlashMLA's rule: one metadata object, one call configuration
+    config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal,
+              is_fp8_kvcache, indices.shape[-1] if indices is not None else None,
+              extra_k_cache.shape[1] if extra_k_cache is not None else None,
+              extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None
+              else None)
+    if not meta.have_initialized:
+      meta.have_initialized, meta.config = True, config
+    elif meta.config != config:
+      raise ValueError(
+          "the arguments differ from the first call made with this tile_scheduler_metadata "
+          f"(b, s_q, h_q, block_size, h_k, causal, is_fp8, topk, extra_block_size, "
+          f"extra_topk): {meta.config} then {config}; get a new one from get_mla_metadata")
   if softmax_scale is None:
     softmax_scale = q.shape[-1] ** -0.5
   q = _contiguous(q)
