@@ -22,6 +22,10 @@ the same kernel) and bridge - FlashMLA (what a FlashMLA user would see). A secon
 figure, ``host us/layer``, is the time the host spends issuing a step with the GPU held
 busy by a sleep kernel queued first: when it is below the sleep, no call blocked the
 host on the GPU. ``--profile`` prints cProfile's top functions of the bridge loop.
+
+``bridge, CUDA graph`` and ``FlashMLA, CUDA graph``: the step captured once in a CUDA
+graph and replayed, as vLLM runs its decode steps: no host work per layer, so the
+figure is the GPU's (the bridge's direct launches are captured like any kernel launch).
 """
 
 from __future__ import annotations
@@ -158,6 +162,21 @@ def _host_issue_us(step, x, sleep_us=200_000):
   return issued, late[0] if late else None
 
 
+def _graphed_us(step, x, steps):
+  """Microseconds of one replay of ``step(x)`` captured in a CUDA graph (warmed up on a
+  side stream first, as torch's CUDA graph notes ask)."""
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    for _ in range(3):
+      step(x)
+  torch.cuda.current_stream().wait_stream(side)
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    step(x)
+  return _time_steps(lambda _: graph.replay(), x, torch.cuda.synchronize, steps)
+
+
 def measure(loop: Loop, steps=20, profile=False):
   """{mode: (us per layer, host us per layer or None, first blocked layer or None)}.
   On a machine without CUDA (the smoke run) everything runs on the CPU, without the
@@ -195,6 +214,11 @@ def measure(loop: Loop, steps=20, profile=False):
     print(f"b {b:3d} {name:11s} {us:8.1f} us/layer  host {issued / loop.layers:7.1f} us/layer "
           f"{'(never blocked)' if blocked_at is None else f'(BLOCKED from layer {blocked_at})'}",
           flush=True)
+  for name in ("bridge", "FlashMLA") if cuda else ():
+    if name in modes:
+      us = _graphed_us(modes[name], x, steps) / loop.layers
+      out[f"{name}, CUDA graph"] = (us, None, None)
+      print(f"b {b:3d} {name + ', CUDA graph':11s} {us:8.1f} us/layer", flush=True)
   jstep = _jax_step(caches, indices, w_q, w_o, b)
   jx = jax.dlpack.from_dlpack(x)
   us = _time_steps(lambda x: jax.block_until_ready(jstep(x)), jx, lambda: None, steps)
@@ -243,6 +267,10 @@ def main():
     for name in ("FlashMLA", "JAX"):
       if name in res:
         print(f"b {b}: bridge adds {res['bridge'][0] - res[name][0]:+.1f} us/layer over {name}")
+    if "FlashMLA, CUDA graph" in res:
+      print(f"b {b}: in a CUDA graph the bridge adds "
+            f"{res['bridge, CUDA graph'][0] - res['FlashMLA, CUDA graph'][0]:+.1f} us/layer "
+            "over FlashMLA")
 
 
 if __name__ == "__main__":

@@ -918,6 +918,44 @@ def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_direct_launch_under_cuda_graph_capture():
+  """vLLM captures its decode steps in CUDA graphs: the direct launches (a split decode:
+  two kernels; the in-place cache write) are captured like torch's own, and a replay
+  recomputes them from the inputs' new values."""
+  from jax_mla import _mosaic
+  if not _mosaic.on_hopper():
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
+  q, cache, idx = _direct_decode_inputs("fp8_ds_mla", 128, s_q=1)
+  kw = dict(kv_cache_dtype="fp8_ds_mla", sm_scale=0.05)
+  kv = torch.randn(3, 576, device="cuda").bfloat16()
+  slots = torch.tensor([5, 70, 300], dtype=torch.int32, device="cuda")
+
+  def step():
+    ops.concat_and_cache_mla(kv[:, :512], kv[:, 512:], cache, slots, "fp8_ds_mla")
+    return ops.sparse_mla_decode(q, cache, idx, **kw)
+
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):  # plans made, kernels loaded: nothing left to do at capture
+    step()
+  torch.cuda.current_stream().wait_stream(side)
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    out, lse = step()
+  new_q, new_idx = _direct_decode_inputs("fp8_ds_mla", 128, s_q=1, topk=256)[::2]
+  q.copy_(new_q.flip(2))
+  idx.copy_(new_idx.flip(2))
+  kv.mul_(-2)
+  graph.replay()
+  torch.cuda.synchronize()
+  want_cache = cache.clone()
+  want = ops.sparse_mla_decode(q, want_cache, idx, **kw)
+  assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+  ops.concat_and_cache_mla(kv[:, :512], kv[:, 512:], want_cache, slots, "fp8_ds_mla")
+  assert torch.equal(cache, want_cache)  # the replay wrote the new latents
+
+
+@pytest.mark.gpu
 def test_direct_launch_is_ordered_by_torchs_stream_and_never_waits():
   """On a side stream busy with a sleep and then the write of q, the launch reads the
   written q, and the call returns while the stream is still busy."""
