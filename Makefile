@@ -39,15 +39,15 @@ test: install
 # dominates, so GPU_WORKERS processes share the one GPU (no memory preallocation; each
 # file stays in one process so its shared compiles happen once). Compiled programs persist
 # in .jax_cache/ (tests/conftest.py), so a second run skips most compiles.
-# The bridge's CPU-tensor tests stay on the CPU suite (on a GPU machine
-# `implementation=None` picks a GPU kernel for them); its GPU tests run here.
+# The bridge runs in a process of its own (torch and JAX share the GPU); its CPU-tensor
+# tests run too: on a GPU machine `implementation=None` decides by where tensors live.
 GPU_WORKERS ?= 4
 GPU_PYTEST = JAX_MLA_REQUIRE_GPU=1 PYTHONPATH=$(CURDIR) $(if $(filter-out 1,$(GPU_WORKERS)),\
   XLA_PYTHON_CLIENT_PREALLOCATE=false) $(RUN_PY) -m pytest -q \
   $(if $(filter-out 1,$(GPU_WORKERS)),-n $(GPU_WORKERS) --dist loadfile)
 test-gpu:
 	$(GPU_PYTEST) tests --ignore=tests/test_torch_bridge.py
-	$(GPU_PYTEST) tests/test_torch_bridge.py -m gpu
+	$(GPU_PYTEST) tests/test_torch_bridge.py
 
 # GPU benchmarks: every benchmarks/bench_*.py, a per-module time budget, under 10 minutes.
 bench:
