@@ -63,14 +63,10 @@ def write(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array, slot_mapping: j
   store = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(operands) + 1))(
       functools.partial(_write_tokens, fmt=fmt, num_tokens=num_tokens, block_size=bs,
                         capacity=nb * bs, latent=latent))
-
-  def body(*refs):
-    store(*refs)
-
   # The cache goes in as a Ref: the kernel writes it in place (an aliased output).
   cache = jax.new_ref(kv_cache)
-  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(cdiv(num_tokens, WARPS),),
-                                               grid_names=("t",)))(*operands, cache)
+  pl.kernel(store, out_type=(), name="concat_and_cache_mla",
+            mesh=plgpu.Mesh(grid=(cdiv(num_tokens, WARPS),), grid_names=("t",)))(*operands, cache)
   return jax.freeze(cache)
 
 
