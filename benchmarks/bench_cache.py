@@ -94,11 +94,12 @@ def in_place_from_torch(fmt, shape, sets, reps=10) -> tuple[float, float]:
   from torch_bridge import ops, to_jax, to_torch
   device = "cuda" if torch.cuda.is_available() else "cpu"
   t_sets = [tuple(to_torch(a).to(device) for a in s) for s in sets]
-  t_cache = torch.zeros(shape, dtype=torch.uint8, device=device)
+  bf16 = fmt == "auto"  # the one format whose cache is not bytes
+  t_cache = torch.zeros(shape, dtype=torch.bfloat16 if bf16 else torch.uint8, device=device)
   ptr = t_cache.data_ptr()
   write = jax.jit(lambda cache, kv_c, k_pe, slots: concat_and_cache_mla(
       kv_c, k_pe, cache, slots, kv_cache_dtype=fmt), donate_argnums=0)
-  j_cache = [jnp.zeros(shape, jnp.uint8)]
+  j_cache = [jnp.zeros(shape, jnp.bfloat16 if bf16 else jnp.uint8)]
   ops.concat_and_cache_mla(*t_sets[0][:2], t_cache, t_sets[0][2], kv_cache_dtype=fmt)
   j_cache[0] = write(j_cache[0], *sets[0])
   if t_cache.data_ptr() != ptr or not bool((to_jax(t_cache) == j_cache[0]).all()):

@@ -157,10 +157,11 @@ def cache_write(impl):
   slots = np.concatenate([[nb * bs - 1, nb * bs, 0], BAD, rng.integers(0, nb * bs, 3)])
   slots = jnp.asarray(slots.astype(np.int32))  # 10 < T
   for fmt, nope, rope in (("fp8_ds_mla", 512, 64), ("fp8_model1", 448, 64),
-                          ("fp8_model1", 512, 0)):
+                          ("fp8_model1", 512, 0), ("auto", 512, 64), ("fp8", 512, 64)):
     kv_c, k_pe = (jnp.asarray(rng.standard_normal((T, w)), jnp.bfloat16) for w in (nope, rope))
-    cache = jnp.zeros(kv_cache_shape(nb, bs, nope + rope, fmt), jnp.uint8)
-    yield concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype=fmt,
+    cache = jnp.zeros(kv_cache_shape(nb, bs, nope + rope, fmt),
+                      jnp.bfloat16 if fmt == "auto" else jnp.uint8)
+    yield concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype=fmt, scale=0.5,
                                implementation=impl)
 
 

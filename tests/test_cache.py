@@ -512,13 +512,13 @@ def _adversarial_latent(rng, num_tokens, head):
 MOSAIC_WRITER_CASES = [  # (format, kv_c width, k_pe width, block size, seed)
     ("fp8_ds_mla", 512, 64, 16, 0), ("fp8_ds_mla", 512, 64, 64, 1),
     ("fp8_model1", 448, 64, 16, 2), ("fp8_model1", 448, 64, 64, 3),
-    ("fp8_model1", 512, 0, 16, 4)]
+    ("fp8_model1", 512, 0, 16, 4), ("auto", 512, 64, 16, 5), ("fp8", 512, 64, 64, 6)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", MOSAIC_WRITER_CASES,
                          ids=["ds_mla-bs16", "ds_mla-bs64", "model1-bs16", "model1-bs64",
-                              "model1-latent"])
+                              "model1-latent", "auto", "fp8"])
 def test_gpu_mosaic_writer_matches_reference(case):
   """Byte for byte the XLA writer's cache, on adversarial values; skipped and padding
   tokens (and an empty slot_mapping) leave every other byte, stale NaN bytes included."""
@@ -531,19 +531,24 @@ def test_gpu_mosaic_writer_matches_reference(case):
   x = _adversarial_latent(rng, T, nope + rope if rope else nope)
   kv_c, k_pe = jax.device_put((np.ascontiguousarray(x[:, :nope]),
                                np.ascontiguousarray(x[:, nope:])))
-  if not _mosaic.default_for(mosaic.check_supported, kv_c, k_pe, resolve(fmt)):
-    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
   before = rand_bytes_cache(rng, kv_cache_shape(nb, bs, 512 if fmt == "fp8_model1" else 576,
                                                 fmt))
+  if fmt == "auto":  # bf16 rows (stale NaN bit patterns among them)
+    before = before.view(BF16)
+  if not _mosaic.default_for(mosaic.check_supported, kv_c, k_pe, before, resolve(fmt)):
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
   slots = _slots(rng, T - 2, nb * bs)  # the last two tokens are padding
+  scale = 0.37 if fmt == "fp8" else None
   for s in (slots, slots[:0]):
     outs = {impl: np.asarray(concat_and_cache_mla(kv_c, k_pe, jax.device_put(before),
                                                   jax.device_put(s), kv_cache_dtype=fmt,
-                                                  implementation=impl))
+                                                  scale=scale, implementation=impl))
             for impl in ("xla", "mosaic", None)}
+    if fmt == "auto":
+      outs = {k: v.view(np.uint16) for k, v in outs.items()}  # NaN bits compare as bits
     np.testing.assert_array_equal(outs["mosaic"], outs["xla"])
     np.testing.assert_array_equal(outs[None], outs["mosaic"])
-  np.testing.assert_array_equal(outs["mosaic"], before)  # the empty slot_mapping
+  np.testing.assert_array_equal(outs["mosaic"], before.view(outs["mosaic"].dtype))  # empty
 
 
 @pytest.mark.gpu
@@ -575,11 +580,13 @@ def test_mosaic_writer_lowers_for_cuda():
   from jax_mla.cache.formats import resolve
   S = jax.ShapeDtypeStruct
   for fmt, nope, rope, head in [("fp8_ds_mla", 512, 64, 576), ("fp8_model1", 448, 64, 512),
-                                ("fp8_model1", 512, 0, 512)]:
+                                ("fp8_model1", 512, 0, 512), ("auto", 512, 64, 576),
+                                ("fp8", 512, 64, 576)]:
+    cache = S(kv_cache_shape(3, 16, head, fmt), jnp.bfloat16 if fmt == "auto" else jnp.uint8)
     text = lowers_for_cuda(
-        lambda a, b, c, d, fmt=fmt: mosaic.write(a, b, c, d, fmt=resolve(fmt)),
-        S((13, nope), jnp.bfloat16), S((13, rope), jnp.bfloat16),
-        S(kv_cache_shape(3, 16, head, fmt), jnp.uint8), S((11,), jnp.int32)).as_text()
+        lambda a, b, c, d, fmt=fmt: mosaic.write(a, b, c, d, jnp.float32(0.5), fmt=resolve(fmt)),
+        S((13, nope), jnp.bfloat16), S((13, rope), jnp.bfloat16), cache,
+        S((11,), jnp.int32)).as_text()
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
 
 
@@ -591,6 +598,13 @@ def test_mosaic_writer_refuses_what_it_does_not_write():
   with pytest.raises(ValueError, match="bf16"):
     concat_and_cache_mla(kv_c.astype(jnp.float32), k_pe, cache, slots,
                          kv_cache_dtype="fp8_ds_mla", implementation="mosaic")
+  with pytest.raises(ValueError, match=r"kv_c \[T, 512\]"):
+    concat_and_cache_mla(kv_c[:, :500], jnp.zeros((4, 76), jnp.bfloat16),
+                         jnp.zeros((2, 16, 576), jnp.uint8), slots, kv_cache_dtype="fp8",
+                         implementation="mosaic")
+  with pytest.raises(ValueError, match="bf16 'auto' cache"):
+    concat_and_cache_mla(kv_c, k_pe, jnp.zeros((2, 16, 576), jnp.float32), slots,
+                         kv_cache_dtype="auto", implementation="mosaic")
   with pytest.raises(ValueError, match="fp8_v41"):
     concat_and_cache_mla(kv_c, jnp.zeros((4, 0), jnp.bfloat16),
                          jnp.zeros(kv_cache_shape(2, 16, 512, "fp8_v41"), jnp.uint8), slots,

@@ -882,7 +882,8 @@ def test_direct_launch_of_dense_decode_matches_pjrt_and_the_reference(batch, mon
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("fmt", "widths"), [("fp8_ds_mla", (512, 64)), ("fp8_model1", (448, 64)),
-                                             ("fp8_model1", (512, 0))])
+                                             ("fp8_model1", (512, 0)), ("auto", (512, 64)),
+                                             ("fp8", (512, 64))])
 def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
   """On Hopper the bridge's write is the Mosaic GPU writer launched on torch's stream into
   the cache's own memory: byte-exact with jax_mla's reference writer, from vLLM's strided
@@ -902,19 +903,24 @@ def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
   kv_c, k_pe = kv[:, :widths[0]], kv[:, widths[0]:sum(widths)]  # strided, as vLLM's
   shape = jcache.kv_cache_shape(5, 16, 512 if fmt == "fp8_model1" else 576, fmt)
   before = torch.from_numpy(r.integers(0, 256, shape).astype(np.uint8))
+  if fmt == "auto":
+    before = torch.from_numpy(r.normal(size=shape).astype(np.float32)).bfloat16()
   slots = r.permutation(80)[:T - 3].astype(np.int64)
   slots[[0, 5]] = (-1, 80)  # skipped
+  scale = 0.3 if fmt == "fp8" else None
   ref = jcache.concat_and_cache_mla(to_jax(kv_c.contiguous().cpu()),
                                     to_jax(k_pe.contiguous().cpu()), to_jax(before.clone()),
                                     jnp.asarray(slots, jnp.int32), kv_cache_dtype=fmt,
-                                    implementation="xla")
+                                    scale=scale, implementation="xla")
   kv_cache = before.cuda()
   ptr = kv_cache.data_ptr()
   for _ in range(2):  # the second call reuses the plan
-    out = ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, torch.from_numpy(slots).cuda(), fmt)
+    out = ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, torch.from_numpy(slots).cuda(), fmt,
+                                   scale)
   assert out is kv_cache and kv_cache.data_ptr() == ptr
   assert len(plans) == 2 and plans[0] is plans[1] and plans[0].in_place
-  np.testing.assert_array_equal(kv_cache.cpu().numpy(), np.asarray(ref))
+  np.testing.assert_array_equal(kv_cache.cpu().view(torch.uint8).numpy(),
+                                np.asarray(ref).view(np.uint8))
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format, kernel: st
   if slot_mapping.shape[0] == 0:  # nothing to write (and no kernel grid is empty)
     return kv_cache
   if kernel == "mosaic":  # reads the first S rows itself: no slice, no concatenated copy
-    return mosaic.write(kv_c, k_pe, kv_cache, slot_mapping, fmt=fmt)
+    return mosaic.write(kv_c, k_pe, kv_cache, slot_mapping, scale, fmt=fmt)
   num_tokens = slot_mapping.shape[0]
   kv_c, k_pe = kv_c[:num_tokens], k_pe[:num_tokens].astype(kv_c.dtype)
   x = jnp.concatenate([kv_c, k_pe], axis=-1)
@@ -169,11 +169,11 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
   slot_mapping = as_int32("slot_mapping", slot_mapping)
   _check_inputs(kv_c, k_pe, kv_cache, slot_mapping, fmt)
   if implementation == "mosaic":
-    mosaic.check_supported(kv_c, k_pe, fmt)
+    mosaic.check_supported(kv_c, k_pe, kv_cache, fmt)
   kernel = resolve_implementation(implementation, interpret, has_mosaic=True, like=kv_cache)
   config = check_config(config, triton.Config, kernel)
   if implementation is None and kernel == "triton" and not interpret and _mosaic.default_for(
-      mosaic.check_supported, kv_c, k_pe, fmt):
+      mosaic.check_supported, kv_c, k_pe, kv_cache, fmt):
     kernel = "mosaic"
   if kernel == "triton" and not triton.supports(fmt):
     kernel = "xla"  # "auto" / "fp8": a plain scatter
