@@ -521,7 +521,9 @@ MOSAIC_WRITER_CASES = [  # (format, kv_c width, k_pe width, block size, seed)
                               "model1-latent", "auto", "fp8"])
 def test_gpu_mosaic_writer_matches_reference(case):
   """Byte for byte the XLA writer's cache, on adversarial values; skipped and padding
-  tokens (and an empty slot_mapping) leave every other byte, stale NaN bytes included."""
+  tokens (and an empty slot_mapping) leave every other byte, stale NaN bytes included.
+  The reference runs on the CPU: XLA:GPU may flush bf16 subnormals and canonicalise NaN
+  bits while it copies ``"auto"`` rows; the kernel stores them as they are."""
   from jax_mla import _mosaic
   from jax_mla.cache import mosaic
   from jax_mla.cache.formats import resolve
@@ -531,19 +533,24 @@ def test_gpu_mosaic_writer_matches_reference(case):
   x = _adversarial_latent(rng, T, nope + rope if rope else nope)
   kv_c, k_pe = jax.device_put((np.ascontiguousarray(x[:, :nope]),
                                np.ascontiguousarray(x[:, nope:])))
-  before = rand_bytes_cache(rng, kv_cache_shape(nb, bs, 512 if fmt == "fp8_model1" else 576,
-                                                fmt))
-  if fmt == "auto":  # bf16 rows (stale NaN bit patterns among them)
-    before = before.view(BF16)
+  shape = kv_cache_shape(nb, bs, 512 if fmt == "fp8_model1" else 576, fmt)
+  if fmt == "auto":  # bf16 rows from random bytes (stale NaN bit patterns among them)
+    before = rand_bytes_cache(rng, (*shape[:-1], 2 * shape[-1])).view(BF16)
+  else:
+    before = rand_bytes_cache(rng, shape)
   if not _mosaic.default_for(mosaic.check_supported, kv_c, k_pe, before, resolve(fmt)):
     pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
   slots = _slots(rng, T - 2, nb * bs)  # the last two tokens are padding
   scale = 0.37 if fmt == "fp8" else None
+  cpu = jax.devices("cpu")[0]
   for s in (slots, slots[:0]):
     outs = {impl: np.asarray(concat_and_cache_mla(kv_c, k_pe, jax.device_put(before),
                                                   jax.device_put(s), kv_cache_dtype=fmt,
                                                   scale=scale, implementation=impl))
-            for impl in ("xla", "mosaic", None)}
+            for impl in ("mosaic", None)}
+    outs["xla"] = np.asarray(concat_and_cache_mla(
+        *jax.device_put((kv_c, k_pe, before, s), cpu), kv_cache_dtype=fmt, scale=scale,
+        implementation="xla"))
     if fmt == "auto":
       outs = {k: v.view(np.uint16) for k, v in outs.items()}  # NaN bits compare as bits
     np.testing.assert_array_equal(outs["mosaic"], outs["xla"])
