@@ -883,7 +883,7 @@ def test_direct_launch_of_dense_decode_matches_pjrt_and_the_reference(batch, mon
 @pytest.mark.gpu
 @pytest.mark.parametrize(("fmt", "widths"), [("fp8_ds_mla", (512, 64)), ("fp8_model1", (448, 64)),
                                              ("fp8_model1", (512, 0)), ("auto", (512, 64)),
-                                             ("fp8", (512, 64))])
+                                             ("fp8", (512, 64)), ("fp8_v41", (448, 64))])
 def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
   """On Hopper the bridge's write is the Mosaic GPU writer launched on torch's stream into
   the cache's own memory: byte-exact with jax_mla's reference writer, from vLLM's strided
@@ -901,7 +901,7 @@ def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
   kv = torch.from_numpy(r.normal(size=(T, sum(widths) + 8)).astype(np.float32)).bfloat16()
   kv = kv.cuda()
   kv_c, k_pe = kv[:, :widths[0]], kv[:, widths[0]:sum(widths)]  # strided, as vLLM's
-  shape = jcache.kv_cache_shape(5, 16, 512 if fmt == "fp8_model1" else 576, fmt)
+  shape = jcache.kv_cache_shape(5, 16, sum(widths), fmt)
   before = torch.from_numpy(r.integers(0, 256, shape).astype(np.uint8))
   if fmt == "auto":
     before = torch.from_numpy(r.normal(size=shape).astype(np.float32)).bfloat16()

@@ -38,6 +38,7 @@ from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.fp8 import FP8_PER_TENSOR
 from jax_mla.cache.layout import Format
 from jax_mla.cache.model1 import Model1
+from jax_mla.cache.v41_fp8 import V41_FP8, V41Fp8
 
 WARPS = 4  # tokens per CTA: one warp (32 lanes x 16 values = 512 latent values) each
 _VALUES = 16  # latent values per lane
@@ -47,9 +48,10 @@ def check_supported(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array, fmt: 
   """Raises ``ValueError`` unless the kernel writes ``fmt`` from these inputs: bf16
   latents (of DeepSeek's ``[T, 512]`` / ``[T, 64]`` widths for ``"auto"`` and ``"fp8"``,
   into a bf16 ``"auto"`` cache); the Triton kernel or the XLA scatter writes the rest."""
-  if fmt not in (DsMla(), Model1(), AUTO, FP8_PER_TENSOR):
-    raise ValueError(f"the Mosaic GPU cache writer writes 'auto', 'fp8', 'fp8_ds_mla' and "
-                     f"'fp8_model1'; got {fmt.name!r} (use implementation='triton')")
+  if fmt not in (DsMla(), Model1(), V41_FP8, AUTO, FP8_PER_TENSOR):
+    raise ValueError(f"the Mosaic GPU cache writer writes 'auto', 'fp8', 'fp8_ds_mla', "
+                     f"'fp8_model1' and 'fp8_v41'; got {fmt.name!r} (use "
+                     "implementation='triton')")
   if kv_c.dtype != jnp.bfloat16 or k_pe.dtype != jnp.bfloat16:
     raise ValueError(f"the Mosaic GPU cache writer takes bf16 kv_c and k_pe; got {kv_c.dtype} "
                      f"and {k_pe.dtype} (use implementation='triton')")
@@ -70,7 +72,7 @@ def write(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array, slot_mapping: j
   plgpu = _mosaic.plgpu()
   num_tokens = slot_mapping.shape[0]
   nb, bs, width = kv_cache.shape
-  latent = kv_c.shape[1] == 512 and k_pe.shape[1] == 0  # V4's whole-latent form
+  latent = kv_c.shape[1] == 512 and k_pe.shape[1] == 0  # V4's / V4.1's whole-latent form
   operands = (slot_mapping, kv_c) + ((k_pe,) if not latent else ()) + (
       (scale.reshape(1),) if fmt == FP8_PER_TENSOR else ())
   store = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(operands) + 1))(
@@ -101,7 +103,7 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
                    ir.F32Type.get())
   i8 = ir.IntegerType.get_signless(8)
   void = ir.Type.parse("!llvm.void")
-  v4 = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+  quad = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
   c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
   c64 = lambda v: mgpu.c(v, i64)  # noqa: E731
   cf = lambda v: mgpu.c(v, f32)  # noqa: E731
@@ -120,7 +122,7 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
     return llvm.inline_asm(ty, list(args), text, constraints, has_side_effects=effects)
 
   def load16(ptr):  # 16 bytes: four b32 words
-    words = asm(v4, "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", ptr)
+    words = asm(quad, "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", ptr)
     return [llvm.extractvalue(i32, words, [k]) for k in range(4)]
 
   def store(ptr, words, ok):  # 8 or 16 bytes, where ok
@@ -180,19 +182,23 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   ok = arith.extui(i32, ok)
   lane_bytes = arith.muli(wide(lane), c64(_VALUES))
 
-  # The lane's 16 values: NoPE, or (V4, lanes 28..31) RoPE, stored as they are.
-  row_values = 512 if latent or not isinstance(fmt, Model1) else fmt.nope
+  # The lane's 16 values: the V3.2 NoPE, or V4's / V4.1's latent (lanes 28..31: the RoPE,
+  # from k_pe when it comes apart).
+  one_latent = isinstance(fmt, (Model1, V41Fp8))
+  nope = fmt.head_size - fmt.rope if one_latent else 512  # 448 for V4 and V4.1
+  row_values = nope if one_latent and not latent else 512
   src = at(glob(nope_ref), arith.addi(arith.muli(wide(token), c64(2 * row_values)),
                                       arith.muli(wide(lane), c64(2 * _VALUES))))
   is_rope = None
-  if isinstance(fmt, Model1):
-    is_rope = arith.cmpi(arith.CmpIPredicate.uge, lane, c32(fmt.nope // _VALUES))
+  if one_latent:
+    is_rope = arith.cmpi(arith.CmpIPredicate.uge, lane, c32(nope // _VALUES))
     if not latent:
       src = arith.select(is_rope, at(glob(rope_ref), arith.addi(
           arith.muli(wide(token), c64(2 * fmt.rope)),
-          arith.muli(wide(arith.subi(lane, c32(fmt.nope // _VALUES))), c64(2 * _VALUES)))), src)
+          arith.muli(wide(arith.subi(lane, c32(nope // _VALUES))), c64(2 * _VALUES)))), src)
   pairs = load16(src) + load16(at(src, c64(16)))
-  token_row = at(cache, arith.muli(offset, c64(fmt.data_bytes if is_rope is not None
+  # Token rows: V4's data rows sit at the front of the block, the rest one per slot.
+  token_row = at(cache, arith.muli(offset, c64(fmt.data_bytes if isinstance(fmt, Model1)
                                                else row_bytes)))
   # The DeepSeek 64 RoPE values of the V3.2 row (a separate k_pe): lanes 0..7, 16 bytes each.
   rope_lane = arith.muli(wide(arith.minui(lane, c32(7))), c64(16))
@@ -223,6 +229,29 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   for k in range(lanes_per_tile.bit_length() - 1):  # butterfly over the tile's lanes
     amax = fmax(amax, arith.bitcast(f32, shuffle(arith.bitcast(i32, amax), c32(1 << k), "bfly")))
 
+  def exponent(floor):  # ceil(log2(max(amax, floor) / 448)) from the float32 bits
+    bits = arith.bitcast(i32, fmax(amax, cf(floor)))
+    return arith.addi(arith.subi(arith.shrui(bits, c32(23)), c32(127 + 8)), arith.extui(
+        i32, arith.cmpi(arith.CmpIPredicate.ugt, arith.andi(bits, c32(0x7FFFFF)),
+                        c32(0x600000))))
+
+  def scaled(e):  # x * 2**-e, exact
+    inverse = arith.bitcast(f32, arith.shli(arith.subi(c32(127), e), c32(23)))
+    return [asm(f32, "mul.rn.f32 $0, $1, $2;", "=f,f,f", v, inverse) for v in values]
+
+  def scale_bytes_of(code, tiles):  # lane 0's words of the tiles' scale bytes, in order
+    codes = [shuffle(code, c32(g * lanes_per_tile), "idx") for g in range(tiles)]
+    codes += [c32(0)] * (-len(codes) % 4)  # V4: a zero pad after its 7 bytes
+    words = []
+    for w in range(len(codes) // 4):
+      word = c32(0)
+      for b in range(4):
+        word = arith.ori(word, arith.shli(arith.andi(codes[4 * w + b], c32(0xFF)), c32(8 * b)))
+      words.append(word)
+    return words
+
+  lane0 = when(ok, arith.cmpi(arith.CmpIPredicate.eq, lane, c32(0)))
+
   if isinstance(fmt, DsMla):
     # scale = max(amax / 448, FLT_MIN); values x / scale; the tile's first lane stores
     # the scale; lanes 0..7 copy the RoPE bytes.
@@ -237,30 +266,48 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
     store(at(token_row, arith.addi(c64(fmt.rope_offset), rope_lane)), rope_pairs(), rope_lanes)
     return
 
-  # V4: e = ceil(log2(max(amax, 1e-4) / 448)) from the float32 bits; values x * 2**-e.
-  bits = arith.bitcast(i32, fmax(amax, cf(float(np.float32(fmt.min_amax)))))
-  e = arith.addi(arith.subi(arith.shrui(bits, c32(23)), c32(127 + 8)), arith.extui(
-      i32, arith.cmpi(arith.CmpIPredicate.ugt, arith.andi(bits, c32(0x7FFFFF)), c32(0x600000))))
-  inverse = arith.bitcast(f32, arith.shli(arith.subi(c32(127), e), c32(23)))
-  words = fp8_words([asm(f32, "mul.rn.f32 $0, $1, $2;", "=f,f,f", v, inverse) for v in values],
-                    pairs)
+  if isinstance(fmt, V41Fp8):
+    # e = max(ceil(log2(amax / 448)), -13); values x * 2**-e; a tile with a NaN or an
+    # infinity is poisoned: scale byte 0xFF, NaN (0x7F) for a NaN, an infinity or any
+    # value of a tile holding a NaN, +-0 for the rest (the reference's rule).
+    e = arith.maxsi(exponent(0.0), c32(fmt.min_exponent))
+    isnan = [arith.cmpf(arith.CmpFPredicate.UNO, v, v) for v in values]
+    infinite = [arith.cmpf(arith.CmpFPredicate.OEQ, asm(f32, "abs.f32 $0, $1;", "=f,f", v),
+                           cf(float("inf"))) for v in values]
+    has_nan = c32(0)
+    for n in isnan:
+      has_nan = arith.ori(has_nan, arith.extui(i32, n))
+    has_nan = arith.ori(has_nan, shuffle(has_nan, c32(1), "bfly"))  # the tile's two lanes
+    poisoned = arith.ori(has_nan, arith.extui(i32, arith.cmpf(
+        arith.CmpFPredicate.OEQ, amax, cf(float("inf")))))
+    poisoned = arith.cmpi(arith.CmpIPredicate.ne, poisoned, c32(0))
+    words = fp8_words(scaled(e), pairs)
+    for k in range(len(words)):
+      word = c32(0)
+      for b in range(4):
+        v = 4 * k + b
+        nan_out = arith.ori(arith.cmpi(arith.CmpIPredicate.ne, has_nan, c32(0)),
+                            arith.ori(isnan[v], infinite[v]))
+        sign = arith.select(arith.cmpi(arith.CmpIPredicate.slt, arith.bitcast(i32, values[v]),
+                                       c32(0)), c32(0x80), c32(0))
+        word = arith.ori(word, arith.shli(arith.select(nan_out, c32(0x7F), sign), c32(8 * b)))
+      words[k] = arith.select(poisoned, word, words[k])
+    store(at(token_row, lane_bytes), words, ok)
+    code = arith.select(poisoned, c32(0xFF), arith.addi(e, c32(127)))
+    store(at(token_row, c64(fmt.data_bytes)), scale_bytes_of(code, fmt.num_tiles), lane0)
+    return
+
+  # V4: e = ceil(log2(max(amax, 1e-4) / 448)); values x * 2**-e.
+  e = exponent(float(np.float32(fmt.min_amax)))
+  words = fp8_words(scaled(e), pairs)
   # Lanes 0..27 store fp8 bytes; lanes 28..31 their RoPE values as they are.
-  rope_byte = arith.addi(c64(fmt.nope), arith.muli(
-      wide(arith.subi(lane, c32(fmt.nope // _VALUES))), c64(2 * _VALUES)))
+  rope_byte = arith.addi(c64(nope), arith.muli(wide(arith.subi(lane, c32(nope // _VALUES))),
+                                               c64(2 * _VALUES)))
   data_at = arith.select(is_rope, rope_byte, lane_bytes)
   store(at(token_row, data_at), [arith.select(is_rope, p, w)
                                  for p, w in zip(pairs[:4], words, strict=True)], ok)
   store(at(token_row, arith.addi(data_at, c64(16))), pairs[4:], when(ok, is_rope))
   # The scale row: code e + 127 of tiles 0..6, then a zero pad; lane 0 stores it.
-  code = arith.addi(e, c32(fmt.exponent_bias))
-  codes = [shuffle(code, c32(g * lanes_per_tile), "idx") for g in range(fmt.num_tiles)]
-  codes.append(c32(0))
-  scale_words = []
-  for w in range(2):
-    word = c32(0)
-    for b in range(4):
-      word = arith.ori(word, arith.shli(arith.andi(codes[4 * w + b], c32(0xFF)), c32(8 * b)))
-    scale_words.append(word)
   scale_at = at(cache, arith.addi(c64(fmt.scale_region(block_size)),
                                   arith.muli(offset, c64(fmt.scale_bytes))))
-  store(scale_at, scale_words, when(ok, arith.cmpi(arith.CmpIPredicate.eq, lane, c32(0))))
+  store(scale_at, scale_bytes_of(arith.addi(e, c32(fmt.exponent_bias)), fmt.num_tiles), lane0)
