@@ -1,25 +1,26 @@
-"""Pallas Mosaic GPU cache writer (Hopper): ``fp8_ds_mla``, ``fp8_model1``, and the
-``"auto"`` (bf16) and per-tensor ``"fp8"`` rows of DeepSeek's 512 + 64 latent.
+"""Pallas Mosaic GPU cache writer (Hopper): ``fp8_ds_mla``, ``fp8_model1``, ``fp8_v41``,
+and the ``"auto"`` (bf16) and per-tensor ``"fp8"`` rows of DeepSeek's 512 + 64 latent.
 
 One warp per token, written inline per thread: each lane loads 16 bf16 latent values
 (two 16-byte loads), the lanes of a scale tile (8 for V3.2's 128-tiles, 4 for V4's
-64-tiles) take the tile's ``amax`` with butterfly shuffles, and each lane stores its
-16 fp8 bytes with one 16-byte store straight into the token's slot; the tile's first
-lane stores the scale (V3.2), lane 0 the token's 8 scale bytes (V4); the RoPE bytes
-are copied as they are. ``"auto"`` rows are copied, ``"fp8"`` rows divided by the
-per-tensor scale (the RoPE part too). The cache is aliased input -> output: only the new tokens'
-bytes move, and with the kernel the whole op is Mosaic GPU, so the torch bridge runs
-it on torch's stream, in the torch cache's own memory (``torch_bridge._direct``).
+64-tiles, 2 for V4.1's 32-tiles) take the tile's ``amax`` with butterfly shuffles, and
+each lane stores its 16 fp8 bytes with one 16-byte store straight into the token's
+slot; the tile's first lane stores the scale (V3.2), lane 0 the token's 8 (V4) or 16
+(V4.1) scale bytes; the V3.2 / V4 RoPE bytes are copied as they are. ``"auto"`` rows
+are copied, ``"fp8"`` rows divided by the per-tensor scale (the RoPE part too). The
+cache is aliased input -> output: only the new tokens' bytes move, and with the kernel
+the whole op is Mosaic GPU, so the torch bridge runs it on torch's stream, in the
+torch cache's own memory (``torch_bridge._direct``).
 
 The math is the formats' (``DsMla.quantize_tiles``, ``Model1.quantize_tiles``,
-``e4m3.cast_fp8``), done
-with the hardware's IEEE operations: ``amax`` with ``max.f32`` (NaN ignored, as
-CUDA's ``fmaxf``), ``amax / 448`` and ``x / scale`` with ``div.rn.f32``, the V4
-exponent from the float32 bits, and fp8 rounding with ``cvt.rn.satfinite.e4m3x2``
-(round to nearest even, saturated to 448). Where the reference settles a value the
-hardware does not (the sign of a NaN byte; an infinite value over an infinite scale,
-which the reference saturates), the kernel follows the reference, so its bytes equal
-the XLA writer's.
+``V41Fp8.quantize_tiles``, ``e4m3.cast_fp8``), done with the hardware's IEEE
+operations: ``amax`` with ``max.f32`` (NaN ignored, as CUDA's ``fmaxf``), ``amax /
+448`` and ``x / scale`` with ``div.rn.f32``, the V4 / V4.1 exponents from the float32
+bits, and fp8 rounding with ``cvt.rn.satfinite.e4m3x2`` (round to nearest even,
+saturated to 448). Where the reference settles a value the hardware does not (the sign
+of a NaN byte; an infinite value over an infinite scale, which the reference
+saturates; V4.1's poisoned tiles), the kernel follows the reference, so its bytes equal
+the reference writer's.
 """
 
 from __future__ import annotations
