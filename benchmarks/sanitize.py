@@ -158,7 +158,7 @@ def cache_write(impl):
   slots = jnp.asarray(slots.astype(np.int32))  # 10 < T
   for fmt, nope, rope in (("fp8_ds_mla", 512, 64), ("fp8_model1", 448, 64),
                           ("fp8_model1", 512, 0), ("auto", 512, 64), ("fp8", 512, 64),
-                          ("fp8_v41", 448, 64), ("fp8_v41", 512, 0)):
+                          ("fp8_v41", 448, 64), ("fp8_v41", 512, 0), ("fp4_v41", 448, 64)):
     kv_c, k_pe = (jnp.asarray(rng.standard_normal((T, w)), jnp.bfloat16) for w in (nope, rope))
     cache = jnp.zeros(kv_cache_shape(nb, bs, nope + rope, fmt),
                       jnp.bfloat16 if fmt == "auto" else jnp.uint8)

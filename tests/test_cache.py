@@ -513,13 +513,15 @@ MOSAIC_WRITER_CASES = [  # (format, kv_c width, k_pe width, block size, seed)
     ("fp8_ds_mla", 512, 64, 16, 0), ("fp8_ds_mla", 512, 64, 64, 1),
     ("fp8_model1", 448, 64, 16, 2), ("fp8_model1", 448, 64, 64, 3),
     ("fp8_model1", 512, 0, 16, 4), ("auto", 512, 64, 16, 5), ("fp8", 512, 64, 64, 6),
-    ("fp8_v41", 448, 64, 16, 7), ("fp8_v41", 512, 0, 64, 8)]
+    ("fp8_v41", 448, 64, 16, 7), ("fp8_v41", 512, 0, 64, 8), ("fp4_v41", 448, 64, 16, 9),
+    ("fp4_v41", 512, 0, 64, 10)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", MOSAIC_WRITER_CASES,
                          ids=["ds_mla-bs16", "ds_mla-bs64", "model1-bs16", "model1-bs64",
-                              "model1-latent", "auto", "fp8", "v41-bs16", "v41-latent"])
+                              "model1-latent", "auto", "fp8", "v41-bs16", "v41-latent",
+                              "fp4-bs16", "fp4-latent"])
 def test_gpu_mosaic_writer_matches_reference(case):
   """Byte for byte the XLA writer's cache, on adversarial values; skipped and padding
   tokens (and an empty slot_mapping) leave every other byte, stale NaN bytes included.
@@ -590,7 +592,7 @@ def test_mosaic_writer_lowers_for_cuda():
   for fmt, nope, rope, head in [("fp8_ds_mla", 512, 64, 576), ("fp8_model1", 448, 64, 512),
                                 ("fp8_model1", 512, 0, 512), ("auto", 512, 64, 576),
                                 ("fp8", 512, 64, 576), ("fp8_v41", 448, 64, 512),
-                                ("fp8_v41", 512, 0, 512)]:
+                                ("fp8_v41", 512, 0, 512), ("fp4_v41", 448, 64, 512)]:
     cache = S(kv_cache_shape(3, 16, head, fmt), jnp.bfloat16 if fmt == "auto" else jnp.uint8)
     text = lowers_for_cuda(
         lambda a, b, c, d, fmt=fmt: mosaic.write(a, b, c, d, jnp.float32(0.5), fmt=resolve(fmt)),
@@ -614,10 +616,6 @@ def test_mosaic_writer_refuses_what_it_does_not_write():
   with pytest.raises(ValueError, match="bf16 'auto' cache"):
     concat_and_cache_mla(kv_c, k_pe, jnp.zeros((2, 16, 576), jnp.float32), slots,
                          kv_cache_dtype="auto", implementation="mosaic")
-  with pytest.raises(ValueError, match="fp4_v41"):
-    concat_and_cache_mla(kv_c, jnp.zeros((4, 0), jnp.bfloat16),
-                         jnp.zeros(kv_cache_shape(2, 16, 512, "fp4_v41"), jnp.uint8), slots,
-                         kv_cache_dtype="fp4_v41", implementation="mosaic")
   with pytest.raises(ValueError, match="needs a GPU"):
     concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype="fp8_ds_mla",
                          implementation="mosaic")

@@ -883,7 +883,8 @@ def test_direct_launch_of_dense_decode_matches_pjrt_and_the_reference(batch, mon
 @pytest.mark.gpu
 @pytest.mark.parametrize(("fmt", "widths"), [("fp8_ds_mla", (512, 64)), ("fp8_model1", (448, 64)),
                                              ("fp8_model1", (512, 0)), ("auto", (512, 64)),
-                                             ("fp8", (512, 64)), ("fp8_v41", (448, 64))])
+                                             ("fp8", (512, 64)), ("fp8_v41", (448, 64)),
+                                             ("fp4_v41", (512, 0))])
 def test_direct_cache_write_in_place(fmt, widths, monkeypatch):
   """On Hopper the bridge's write is the Mosaic GPU writer launched on torch's stream into
   the cache's own memory: byte-exact with jax_mla's reference writer, from vLLM's strided

@@ -36,9 +36,11 @@ from jax_mla import _mosaic
 from jax_mla._common import FP8_E4M3_MAX, cdiv
 from jax_mla.cache.auto import AUTO
 from jax_mla.cache.ds_mla import DsMla
+from jax_mla.cache.e2m1 import MAX as E2M1_MAX
 from jax_mla.cache.fp8 import FP8_PER_TENSOR
 from jax_mla.cache.layout import Format
 from jax_mla.cache.model1 import Model1
+from jax_mla.cache.v41_fp4 import V41_FP4, V41Fp4
 from jax_mla.cache.v41_fp8 import V41_FP8, V41Fp8
 
 WARPS = 4  # tokens per CTA: one warp (32 lanes x 16 values = 512 latent values) each
@@ -49,9 +51,9 @@ def check_supported(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array, fmt: 
   """Raises ``ValueError`` unless the kernel writes ``fmt`` from these inputs: bf16
   latents (of DeepSeek's ``[T, 512]`` / ``[T, 64]`` widths for ``"auto"`` and ``"fp8"``,
   into a bf16 ``"auto"`` cache); the Triton kernel or the XLA scatter writes the rest."""
-  if fmt not in (DsMla(), Model1(), V41_FP8, AUTO, FP8_PER_TENSOR):
+  if fmt not in (DsMla(), Model1(), V41_FP8, V41_FP4, AUTO, FP8_PER_TENSOR):
     raise ValueError(f"the Mosaic GPU cache writer writes 'auto', 'fp8', 'fp8_ds_mla', "
-                     f"'fp8_model1' and 'fp8_v41'; got {fmt.name!r} (use "
+                     f"'fp8_model1', 'fp8_v41' and 'fp4_v41'; got {fmt.name!r} (use "
                      "implementation='triton')")
   if kv_c.dtype != jnp.bfloat16 or k_pe.dtype != jnp.bfloat16:
     raise ValueError(f"the Mosaic GPU cache writer takes bf16 kv_c and k_pe; got {kv_c.dtype} "
@@ -185,7 +187,7 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
 
   # The lane's 16 values: the V3.2 NoPE, or V4's / V4.1's latent (lanes 28..31: the RoPE,
   # from k_pe when it comes apart).
-  one_latent = isinstance(fmt, (Model1, V41Fp8))
+  one_latent = isinstance(fmt, (Model1, V41Fp8, V41Fp4))
   nope = fmt.head_size - fmt.rope if one_latent else 512  # 448 for V4 and V4.1
   row_values = nope if one_latent and not latent else 512
   src = at(glob(nope_ref), arith.addi(arith.muli(wide(token), c64(2 * row_values)),
@@ -223,6 +225,50 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
     return
 
   values = floats(pairs)
+  if isinstance(fmt, V41Fp4):
+    # A lane holds one 16-value tile. Its scale: e4m3 of float32(amax / 6), at least
+    # code 1 (2**-9); amax takes an infinity as FLT_MAX; a NaN poisons the tile (scale
+    # byte 0x7F, codes 0). Codes: e2m1 of float32(x / scale), nearest, ties to even,
+    # saturated at 6 (sm_90 has no e2m1 cvt: the quotient is placed among the midpoints).
+    amax, has_nan = cf(0.0), c32(0)
+    for v in values:
+      amax = fmax(amax, asm(f32, "min.f32 $0, $1, $2;", "=f,f,f",
+                            asm(f32, "abs.f32 $0, $1;", "=f,f", v),
+                            cf(float(np.finfo(np.float32).max))))
+      has_nan = arith.ori(has_nan, arith.extui(i32, arith.cmpf(arith.CmpFPredicate.UNO, v, v)))
+    code = asm(i32, "{.reg .b16 r; cvt.rn.satfinite.e4m3x2.f32 r, $2, $1; cvt.u32.u16 $0, r;}",
+               "=r,f,f", asm(f32, "div.rn.f32 $0, $1, $2;", "=f,f,f", amax, cf(E2M1_MAX)),
+               cf(0.0))
+    code = arith.maxui(arith.andi(code, c32(0x7F)), c32(1))
+    exp = arith.shrui(code, c32(3))  # the e4m3 code's value, from its bits
+    significand = arith.ori(arith.andi(code, c32(7)), arith.select(
+        arith.cmpi(arith.CmpIPredicate.ugt, exp, c32(0)), c32(8), c32(0)))
+    scale = arith.mulf(arith.sitofp(f32, significand), arith.bitcast(f32, arith.shli(
+        arith.addi(arith.maxui(exp, c32(1)), c32(127 - 10)), c32(23))))
+    nibbles = []
+    for v in values:
+      q = asm(f32, "div.rn.f32 $0, $1, $2;", "=f,f,f", asm(f32, "abs.f32 $0, $1;", "=f,f", v),
+              scale)
+      n = c32(0)
+      for j, m in enumerate((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)):
+        past = arith.cmpf(arith.CmpFPredicate.OGT if j % 2 == 0 else arith.CmpFPredicate.OGE,
+                          q, cf(m))  # a tie at an odd midpoint goes up, to the even code
+        n = arith.addi(n, arith.extui(i32, past))
+      negative = arith.cmpi(arith.CmpIPredicate.slt, arith.bitcast(i32, v), c32(0))
+      nibbles.append(arith.ori(n, arith.select(negative, c32(8), c32(0))))
+    poisoned = arith.cmpi(arith.CmpIPredicate.ne, has_nan, c32(0))
+    words = []
+    for w in range(2):
+      word = c32(0)
+      for b in range(8):
+        word = arith.ori(word, arith.shli(nibbles[8 * w + b], c32(4 * b)))
+      words.append(arith.select(poisoned, c32(0), word))
+    store(at(token_row, arith.muli(wide(lane), c64(8))), words, ok)
+    asm(void, "{.reg .pred p; .reg .b16 r; setp.ne.b32 p, $2, 0; cvt.u16.u32 r, $1;"
+              " @p st.global.u8 [$0], r;}", "l,r,r",
+        at(token_row, arith.addi(c64(fmt.data_bytes), wide(lane))),
+        arith.select(poisoned, c32(0x7F), code), ok, effects=True)
+    return
   amax = cf(0.0)
   for v in values:
     amax = fmax(amax, asm(f32, "abs.f32 $0, $1;", "=f,f", v))
