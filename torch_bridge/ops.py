@@ -266,8 +266,8 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
   place, and returns ``kv_cache``: vLLM's ``concat_and_cache_mla``, also in its
   positional form ``(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)``.
 
-  On Hopper (fp8_ds_mla, fp8_model1, fp8_v41, and DeepSeek's 512 + 64 latent in ``"auto"`` or
-  ``"fp8"``; bf16 latents) jax_mla's Mosaic GPU writer runs on
+  On Hopper (every format; for ``"auto"`` and ``"fp8"`` DeepSeek's 512 + 64 latent; bf16
+  latents) jax_mla's Mosaic GPU writer runs on
   torch's current stream and stores the new tokens straight into the cache
   (:mod:`torch_bridge._direct`). Otherwise JAX encodes only the new tokens
   (:func:`jax_mla.cache.api.token_writes`: the same bytes as jax_mla's writer) and torch

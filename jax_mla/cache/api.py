@@ -2,9 +2,9 @@
 
 The XLA path quantizes all tokens with the format's codec and scatters the rows
 with ``mode="drop"``; the kernels quantize and write in one pass, in place through
-``input_output_aliases``: Mosaic GPU on Hopper (fp8_ds_mla, fp8_model1, fp8_v41, and
-DeepSeek's 512 + 64 latent in auto (bf16) and fp8; bf16 input), Triton elsewhere
-(fp8_ds_mla, fp8_model1, fp8_v41, fp4_v41).
+``input_output_aliases``: Mosaic GPU on Hopper (every format, bf16 input; auto (bf16)
+and fp8 for DeepSeek's 512 + 64 latent), Triton elsewhere (fp8_ds_mla, fp8_model1,
+fp8_v41, fp4_v41).
 """
 
 from __future__ import annotations
@@ -152,11 +152,11 @@ def concat_and_cache_mla(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
       carry their own scales and ignore it (vLLM passes one regardless).
     implementation: ``None``, ``"mosaic"``, ``"triton"`` (old name ``"pallas"``) or
       ``"xla"``. The Mosaic GPU kernel (Hopper) writes ``"fp8_ds_mla"``,
-      ``"fp8_model1"`` and ``"fp8_v41"``, and ``"auto"`` (a bf16 cache) and ``"fp8"``
-      from ``kv_c [T, 512]`` and ``k_pe [T, 64]``, all from bf16 ``kv_c`` and ``k_pe``;
-      ``None`` picks it there.
-      The Triton kernel covers ``"fp8_ds_mla"``, ``"fp8_model1"``, ``"fp8_v41"`` and
-      ``"fp4_v41"``; other ``"auto"``/``"fp8"`` writes are a plain XLA scatter.
+      ``"fp8_model1"``, ``"fp8_v41"``, ``"fp4_v41"``, and ``"auto"`` (a bf16 cache) and
+      ``"fp8"`` from ``kv_c [T, 512]`` and ``k_pe [T, 64]``, all from bf16 ``kv_c`` and
+      ``k_pe``; ``None`` picks it there. The Triton kernel covers ``"fp8_ds_mla"``,
+      ``"fp8_model1"``, ``"fp8_v41"`` and ``"fp4_v41"``; other ``"auto"``/``"fp8"``
+      writes are a plain XLA scatter.
     interpret: run the Triton kernel in the interpreter (CPU tests).
     config: a :class:`jax_mla.cache.triton.Config` for the Triton kernel (``None``:
       the default); ignored where no kernel runs.

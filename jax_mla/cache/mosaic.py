@@ -1,12 +1,14 @@
 """Pallas Mosaic GPU cache writer (Hopper): ``fp8_ds_mla``, ``fp8_model1``, ``fp8_v41``,
-and the ``"auto"`` (bf16) and per-tensor ``"fp8"`` rows of DeepSeek's 512 + 64 latent.
+``fp4_v41``, and the ``"auto"`` (bf16) and per-tensor ``"fp8"`` rows of DeepSeek's
+512 + 64 latent.
 
 One warp per token, written inline per thread: each lane loads 16 bf16 latent values
 (two 16-byte loads), the lanes of a scale tile (8 for V3.2's 128-tiles, 4 for V4's
 64-tiles, 2 for V4.1's 32-tiles) take the tile's ``amax`` with butterfly shuffles, and
 each lane stores its 16 fp8 bytes with one 16-byte store straight into the token's
-slot; the tile's first lane stores the scale (V3.2), lane 0 the token's 8 (V4) or 16
-(V4.1) scale bytes; the V3.2 / V4 RoPE bytes are copied as they are. ``"auto"`` rows
+slot (V4.1's fp4: 8 bytes of e2m1 pairs, a lane being one 16-value tile); the tile's
+first lane stores the scale (V3.2), lane 0 the token's 8 (V4) or 16 (V4.1 fp8) scale
+bytes, each fp4 lane its own; the V3.2 / V4 RoPE bytes are copied as they are. ``"auto"`` rows
 are copied, ``"fp8"`` rows divided by the per-tensor scale (the RoPE part too). The
 cache is aliased input -> output: only the new tokens' bytes move, and with the kernel
 the whole op is Mosaic GPU, so the torch bridge runs it on torch's stream, in the
