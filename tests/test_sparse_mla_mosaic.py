@@ -8,6 +8,7 @@ of 64 (48, 100).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -361,3 +362,32 @@ def test_nan_query_row_is_nan():
       q, kv, idx, sm_scale=576 ** -0.5, implementation="mosaic"))
   assert np.isnan(out[1]).all() and np.isnan(ml[1]).all() and np.isnan(lse[1]).all()
   assert not np.isnan(out[[0, 2]]).any()
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_combine_matches_combine_splits():
+  """The split decodes' Mosaic GPU combine against :func:`combine_splits` with the sinks
+  applied as the sparse kernels do: parts without keys (+inf and -inf LSE), a row empty
+  in every part, sinks of -inf, +inf and finite values, four parts."""
+  from jax_mla import merge_mosaic
+  from jax_mla.merge import combine_splits
+  if not _mosaic.on_hopper():
+    pytest.skip("needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
+  rng = np.random.default_rng(5)
+  parts, n, d, heads = 4, 48, 512, 16
+  out = jnp.asarray(rng.standard_normal((parts, n, d)), jnp.bfloat16)
+  lse = rng.standard_normal((parts, n)).astype(np.float32) * 3
+  lse[0, :5], lse[1, 3:9] = np.inf, -np.inf
+  lse[:, 20] = np.inf  # empty in every part
+  mx = rng.standard_normal((parts, n)).astype(np.float32)
+  sink = rng.standard_normal(heads).astype(np.float32)
+  sink[0], sink[1] = -np.inf, np.inf
+  got = jax.jit(functools.partial(merge_mosaic.combine, heads=heads))(
+      out, jnp.asarray(lse), jnp.asarray(mx), jnp.asarray(sink))
+  want_out, want_lse = combine_splits(out, jnp.asarray(lse), jnp.float32)
+  kept = 1 / (1 + np.exp(np.tile(sink, n // heads) - np.asarray(want_lse)))
+  want_out = np.asarray(want_out) * np.where(np.isposinf(want_lse), 0, kept)[:, None]
+  assert rel_err(got[0], want_out) < 1e-2
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32)[20], 0)
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(got[1]), mx.max(0))
