@@ -1,5 +1,5 @@
-"""Cache writer (``concat_and_cache_mla``): the Mosaic GPU (Hopper) and Triton kernels
-against the XLA reference.
+"""Cache writer (``concat_and_cache_mla``) in every format: the Mosaic GPU (Hopper) and
+Triton kernels against the XLA reference, and the torch bridge's in-place write.
 
 Memory-bound: the figure is (latent bytes read + cache bytes written) / time,
 against device-to-device copy bandwidth (3.0 TB/s on the H100: benchmarks/RESULTS.md,
@@ -21,12 +21,26 @@ import numpy as np
 from benchmarks.harness import Row, device_name, n_sets, print_table, sync_torch, time_calls_us
 from jax_mla import _mosaic
 from jax_mla.cache import concat_and_cache_mla, kv_cache_shape
+from jax_mla.cache import triton as triton_writer
+from jax_mla.cache.formats import resolve
 
 COPY_TBPS = 3.0  # device-to-device copy on the H100 (RESULTS.md, "Anchors")
+FORMATS = ("fp8_ds_mla", "fp8_model1", "fp8_v41", "fp4_v41", "auto", "fp8")
 
 
 def _head(fmt: str) -> int:
-  return 512 if fmt == "fp8_model1" else 576
+  """Latent width: V4 / V4.1 512, V3.2 (and its auto / fp8 rows) 576."""
+  return 512 if fmt in ("fp8_model1", "fp8_v41", "fp4_v41") else 576
+
+
+def _cache_dtype(fmt: str):
+  return jnp.bfloat16 if fmt == "auto" else jnp.uint8
+
+
+def _token_bytes(fmt: str) -> int:
+  """Cache bytes a token's write stores."""
+  f = resolve(fmt)
+  return getattr(f, "token_bytes", None) or _head(fmt) * jnp.dtype(_cache_dtype(fmt)).itemsize
 
 
 def _inputs(rng, fmt, num_tokens, capacity, *, skip=True):
@@ -40,9 +54,10 @@ def _inputs(rng, fmt, num_tokens, capacity, *, skip=True):
   return kv_c, k_pe, jnp.asarray(slots)
 
 
-def kernels() -> tuple[str, ...]:
-  """The writer kernels this machine runs."""
-  return ("mosaic", "triton") if _mosaic.on_hopper() else ("triton",)
+def kernels(fmt: str = "fp8_ds_mla") -> tuple[str, ...]:
+  """The writer kernels this machine runs for ``fmt``."""
+  return (("mosaic",) if _mosaic.on_hopper() else ()) + (
+      ("triton",) if triton_writer.supports(resolve(fmt)) else ())
 
 
 def check(fmt: str, impl: str, num_tokens: int = 4096, num_blocks: int = 512,
@@ -51,11 +66,12 @@ def check(fmt: str, impl: str, num_tokens: int = 4096, num_blocks: int = 512,
   bytes."""
   rng = np.random.default_rng(seed)
   shape = kv_cache_shape(num_blocks, block_size, _head(fmt), fmt)
-  before = rng.integers(0, 256, size=shape, dtype=np.uint8)
+  before = rng.integers(0, 256, size=(*shape[:-1], shape[-1] * jnp.dtype(
+      _cache_dtype(fmt)).itemsize), dtype=np.uint8).view(_cache_dtype(fmt))
   kv_c, k_pe, slots = _inputs(rng, fmt, num_tokens, num_blocks * block_size)
   outs = [np.asarray(concat_and_cache_mla(kv_c, k_pe, jnp.asarray(before), slots,
-                                          kv_cache_dtype=fmt, implementation=impl))
-          for impl in (impl, "xla")]
+                                          kv_cache_dtype=fmt, implementation=impl)).view(np.uint8)
+          for impl in (impl, "xla")]  # bytes: a bf16 NaN equals itself
   return int((outs[0] != outs[1]).sum())
 
 
@@ -99,7 +115,7 @@ def in_place_from_torch(fmt, shape, sets, reps=10) -> tuple[float, float]:
   ptr = t_cache.data_ptr()
   write = jax.jit(lambda cache, kv_c, k_pe, slots: concat_and_cache_mla(
       kv_c, k_pe, cache, slots, kv_cache_dtype=fmt), donate_argnums=0)
-  j_cache = [jnp.zeros(shape, jnp.bfloat16 if bf16 else jnp.uint8)]
+  j_cache = [jnp.zeros(shape, _cache_dtype(fmt))]
   ops.concat_and_cache_mla(*t_sets[0][:2], t_cache, t_sets[0][2], kv_cache_dtype=fmt)
   j_cache[0] = write(j_cache[0], *sets[0])
   if t_cache.data_ptr() != ptr or not bool((to_jax(t_cache) == j_cache[0]).all()):
@@ -120,8 +136,9 @@ def in_place_from_torch(fmt, shape, sets, reps=10) -> tuple[float, float]:
   return t_us, j_us
 
 
-CONFIGS = [(fmt, T, nb) for fmt in ("fp8_ds_mla", "fp8_model1")
-           for T, nb in ((128, 4096), (4096, 512), (4096, 4096), (16384, 4096))]
+CONFIGS = ([(fmt, T, nb) for fmt in ("fp8_ds_mla", "fp8_model1")
+            for T, nb in ((128, 4096), (4096, 512), (4096, 4096), (16384, 4096))]
+           + [(fmt, T, nb) for fmt in FORMATS[2:] for T, nb in ((128, 4096), (4096, 512))])
 
 
 def run(configs=CONFIGS, impls=None) -> list[Row]:
@@ -129,15 +146,13 @@ def run(configs=CONFIGS, impls=None) -> list[Row]:
   dev = device_name()
   rows = []
   bs = 64
-  impls = impls or (*kernels(), "xla")
   for fmt, T, nb in configs:
     head = _head(fmt)
     shape = kv_cache_shape(nb, bs, head, fmt)
-    written = int(np.prod(shape[2:])) if fmt == "fp8_ds_mla" else 584
-    moved = T * (2 * head + written)  # bf16 latent in, token bytes out
+    moved = T * (2 * head + _token_bytes(fmt))  # bf16 latent in, token bytes out
     sets = [_inputs(rng, fmt, T, nb * bs, skip=False) for _ in range(n_sets(T * 2 * head))]
-    for impl in impls:
-      us = _time_chain(fmt, impl, jnp.zeros(shape, jnp.uint8), sets)
+    for impl in impls or (*kernels(fmt), "xla"):
+      us = _time_chain(fmt, impl, jnp.zeros(shape, _cache_dtype(fmt)), sets)
       rows.append(Row("concat_and_cache_mla", f"{fmt} T {T}, {nb}x{bs} blocks ({impl})", us,
                       moved / us / 1e6, "TB/s", COPY_TBPS, "D2D copy", dev))
     if T <= 4096:  # the torch bridge's in-place write, against the same write from JAX
@@ -149,15 +164,15 @@ def run(configs=CONFIGS, impls=None) -> list[Row]:
 
 def main() -> None:
   print("device:", device_name())
-  for fmt in ("fp8_ds_mla", "fp8_model1"):
-    for impl in kernels():
+  for fmt in FORMATS:
+    for impl in kernels(fmt):
       for seed in (0, 1):
         print(f"check {impl} {fmt} T 4096 seed {seed}: {check(fmt, impl, seed=seed)} "
               "mismatching bytes")
   rows = []
   for config in CONFIGS:  # row by row, so a cut-off run still reports
     rows += run([config])
-    print_table(rows[-len(kernels()) - 2:])
+    print_table(rows[-len(kernels(config[0])) - 2:])
   print_table(rows)
 
 
