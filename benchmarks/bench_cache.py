@@ -54,7 +54,7 @@ def _inputs(rng, fmt, num_tokens, capacity, *, skip=True):
   return kv_c, k_pe, jnp.asarray(slots)
 
 
-def kernels(fmt: str = "fp8_ds_mla") -> tuple[str, ...]:
+def kernels(fmt: str) -> tuple[str, ...]:
   """The writer kernels this machine runs for ``fmt``."""
   return (("mosaic",) if _mosaic.on_hopper() else ()) + (
       ("triton",) if triton_writer.supports(resolve(fmt)) else ())

@@ -726,6 +726,23 @@ def test_eager_call_keeps_the_callers_cache(impl, interpret):
   assert cache.is_deleted()
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("fmt", ["auto", "fp8_ds_mla", "fp8_model1"])
+def test_token_writes_of_no_token(fmt):
+  """An empty slot_mapping gives empty targets and rows, one per region of the format."""
+  from jax_mla.cache.api import token_writes
+  from jax_mla.cache.formats import resolve
+  head = 512 if fmt == "fp8_model1" else 576
+  dtype = jnp.bfloat16 if fmt == "auto" else jnp.uint8
+  cache = jnp.zeros(kv_cache_shape(2, 16, head, fmt), dtype)
+  block, position, rows = token_writes(jnp.zeros((3, head - 64), jnp.bfloat16),
+                                       jnp.zeros((3, 64), jnp.bfloat16), cache,
+                                       jnp.zeros((0,), jnp.int32), kv_cache_dtype=fmt)
+  assert block.shape == position.shape == (0,)
+  assert [r.shape for r in rows] == [(0, n) for _, n in
+                                     resolve(fmt).token_regions(16, cache.shape[2])]
+
+
 @pytest.mark.cpu_only  # the cast is host code
 def test_slot_mapping_any_integer_dtype():
   rng = np.random.default_rng(15)

@@ -201,19 +201,17 @@ def torch_op(fn: Callable, *, in_place: bool = False) -> Callable:
       if isinstance(t, torch.Tensor):
         first = t
         break
-    if in_place:
-      stream = _interop.torch_stream(first) if first is tensors[0] else None
-      plan = sig.plan(tensors) if stream is not None and _direct.enabled() else None
-      return None if plan is None else _launch(plan, tensors, stream)
-    if first is None:  # jax.Arrays only: a plain call, results to torch.
-      out = sig.jit(_array_device(tensors[0]) if tensors else None)(None, *tensors)
-      leaf = jax.tree_util.tree_leaves(out)
-      return _export_tree(out, _interop.array_stream(leaf[0]) if leaf else None)
-    stream = _interop.torch_stream(first)
+    stream = None if first is None else _interop.torch_stream(first)
     if stream is not None and _direct.enabled() and first is tensors[0]:
       plan = sig.plan(tensors)
       if plan is not None:
         return _launch(plan, tensors, stream)
+    if in_place:  # no direct plan: the caller writes another way
+      return None
+    if first is None:  # jax.Arrays only: a plain call, results to torch.
+      out = sig.jit(_array_device(tensors[0]) if tensors else None)(None, *tensors)
+      leaf = jax.tree_util.tree_leaves(out)
+      return _export_tree(out, _interop.array_stream(leaf[0]) if leaf else None)
     device = _interop.jax_device(first)
     torch_device = first.device
     # JAX must not read before torch's queued work ends. If torch's stream is idle

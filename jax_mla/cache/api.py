@@ -78,6 +78,10 @@ def token_writes(kv_c: jax.Array, k_pe: jax.Array, kv_cache: jax.Array,
 def _token_writes(kv_c, k_pe, kv_cache, slot_mapping, scale, *, fmt: Format):
   num_blocks, block_size, width = kv_cache.shape
   n = slot_mapping.shape[0]
+  if n == 0:  # nothing to write (and no first written token to repeat)
+    none = jnp.zeros((0,), jnp.int32)
+    return none, none, tuple(jnp.zeros((0, length), kv_cache.dtype)
+                             for _, length in fmt.token_regions(block_size, width))
   x = jnp.concatenate([kv_c[:n], k_pe[:n].astype(kv_c.dtype)], axis=-1)
   ok = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
   first = jnp.argmax(ok)

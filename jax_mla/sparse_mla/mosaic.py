@@ -261,10 +261,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
 
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
   block_size, width]`` holds bf16 latents or the bytes of its format in ``fmts`` (one
-  per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped here to ``[0,
-  topk]``, and None means the whole ``topk``. ``num_splits``: see ``Config.num_splits``.
-  Returns
-  ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse f32[T, h_q])``.
+  per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped to
+  ``[0, topk]`` in the kernel, and None means the whole ``topk``. ``num_splits``: see
+  ``Config.num_splits``. Returns ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse
+  f32[T, h_q])``.
   """
   h_q = q.shape[1]
   if transposed(h_q):
