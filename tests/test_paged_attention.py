@@ -361,3 +361,112 @@ def test_checks_raise_eagerly():
       paged_attention(jnp.asarray(case.query), jnp.asarray(case.key_cache),
                       jnp.asarray(case.value_cache), jnp.asarray(bt), jnp.asarray(lens),
                       **case.kwargs, checks=True, implementation="xla")
+
+
+# --- the Mosaic GPU kernel (Hopper): checked on the GPU, its lowering and checks on the CPU.
+
+# name: (make_case arguments, the kernel's extra arguments); what the kernel takes: bf16 or
+# fp16, vLLM's layout, head sizes a multiple of 32, blocks a multiple of 16, groups <= 16.
+MOSAIC_CASES = {
+    **{f: (dict(seed=20, seq_lens=SEQ_LENS, **FEATURES[f]), {})
+       for f in ("plain", "gqa8", "alibi", "sinks", "window", "fp8_out", "query_start_loc")},
+    "all": (dict(seed=21, seq_lens=SEQ_LENS, hq=6, hkv=2, alibi=True, sinks=True, window=33,
+                 out_scale=0.02, query_lens=[1, 1, 2, 1]), {}),
+    "kv_splits": EDGE_CASES["kv_splits"],
+    "window64": EDGE_CASES["window64"],
+    "window65": EDGE_CASES["window65"],
+    "head256": (dict(seed=22, seq_lens=[1, 45], d=256, alibi=True), {}),
+    # 16 heads a KV head fill the mma's rows; 12 leave rows 12..15 of the second half.
+    "group16": (dict(seed=23, seq_lens=[3, 77, 16], hq=32, hkv=2, d=128, sinks=True), {}),
+    "group12": (dict(seed=24, seq_lens=[3, 77, 16], hq=24, hkv=2, d=64), dict(num_kv_splits=2)),
+    "group1_fp16": (dict(seed=25, seq_lens=[40, 1], hq=3, hkv=3, d=96, dtype=jnp.float16), {}),
+    # Blocks of 48 tokens (3 steps each), a sequence ending mid-step and one long enough
+    # for many steps per split.
+    "block48": (dict(seed=26, seq_lens=[100, 47, 700], hq=8, hkv=1, d=64, bs=48, sinks=True),
+                dict(num_kv_splits=3)),
+    "splits_past_steps": (dict(seed=27, seq_lens=[20, 5], hq=8, hkv=2, d=32),
+                          dict(num_kv_splits=8)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_gpu_mosaic_matches_reference(name):
+  from jax_mla import _mosaic
+  from jax_mla.paged import mosaic
+
+  case_kw, kernel_kw = MOSAIC_CASES[name]
+  case = make_case(**case_kw)
+  if not _mosaic.default_for(mosaic.check_supported, *jax.device_put(
+      (case.query, case.key_cache, case.value_cache))):
+    pytest.skip("the Mosaic GPU kernel runs on Hopper")
+  want = numpy_oracle(case)
+  out = f32(run(case, implementation="mosaic", **kernel_kw))
+  assert np.isfinite(out).all()  # NaN in every unwritten cache slot
+  assert rel_err(out, want) < (0.07 if "out_scale" in case.kwargs else 1e-2)
+  assert (out[want == 0] == 0).all()
+  # The default picks the kernel on Hopper.
+  np.testing.assert_array_equal(f32(run(case, **kernel_kw)), out)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_invalid_block_ids_are_masked():
+  case = make_case(8, SEQ_LENS)
+  case.block_tables[2, 1] = -1
+  case.block_tables[3, 0] = 2**31 - 1
+  want = numpy_oracle(case, masked_positions=[(2, p) for p in range(16, 32)]
+                      + [(3, p) for p in range(16)])
+  out = f32(run(case, implementation="mosaic"))
+  assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("group,d,bs,dtype", [(8, 128, 16, jnp.bfloat16),
+                                              (16, 64, 32, jnp.float16),
+                                              (3, 256, 48, jnp.bfloat16)])
+def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype):
+  from helpers import lowers_for_cuda
+
+  from jax_mla.paged import mosaic
+  from jax_mla.paged.layout import key_view, value_view
+
+  hkv, sds = 2, jax.ShapeDtypeStruct
+
+  def f(q, k, v, bt, lens, sinks, alibi):
+    return mosaic.paged_attention_mosaic(
+        q, key_view(k), value_view(v, True), bt, lens, sm_scale=0.1, k_scale=1.0, v_scale=1.0,
+        attn_sink=sinks, alibi_slopes=alibi, sliding_window=33, query_start_loc=None,
+        out_scale=None, config=mosaic.Config(num_splits=2))
+
+  text = lowers_for_cuda(f, sds((4, hkv * group, d), dtype), sds((10, hkv, d // 8, bs, 8), dtype),
+                         sds((10, hkv, d, bs), dtype), sds((4, 5), jnp.int32),
+                         sds((4,), jnp.int32), sds((hkv * group,), jnp.float32),
+                         sds((hkv * group,), jnp.float32)).as_text()
+  assert "mosaic_gpu" in text and "mma.sync.aligned.m16n8k16" in text
+
+
+@pytest.mark.cpu_only
+def test_mosaic_refuses_what_it_does_not_take():
+  from jax_mla.paged import mosaic
+
+  def check(q_shape, k_shape, v_shape, dtype=jnp.bfloat16, k_dtype=None):
+    mosaic.check_supported(jnp.zeros(q_shape, dtype), jnp.zeros(k_shape, k_dtype or dtype),
+                           jnp.zeros(v_shape, k_dtype or dtype))
+
+  check((2, 16, 128), (4, 2, 16, 16, 8), (4, 2, 128, 16))  # takes
+  for match, args in [
+      ("bf16 or fp16", ((2, 16, 128), (4, 2, 8, 16, 16), (4, 2, 128, 16), jnp.bfloat16, FP8)),
+      ("bf16 or fp16", ((2, 16, 128), (4, 2, 32, 16, 4), (4, 2, 128, 16), jnp.float32)),
+      ("key layout", ((2, 16, 128), (4, 2, 16, 128), (4, 2, 16, 128))),
+      ("value layout", ((2, 16, 128), (4, 2, 16, 16, 8), (4, 2, 16, 128))),
+      ("multiple of 32", ((2, 16, 80), (4, 2, 10, 16, 8), (4, 2, 80, 16))),
+      ("multiple of 16 tokens", ((2, 16, 128), (4, 2, 16, 8, 8), (4, 2, 128, 8))),
+      ("up to 16 query heads", ((2, 64, 128), (4, 2, 16, 16, 8), (4, 2, 128, 16))),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      check(*args)
+  case = make_case(11, [5, 9], d=80)
+  with pytest.raises(ValueError, match="multiple of 32"):
+    run(case, implementation="mosaic")
+  with pytest.raises(TypeError, match="config"):
+    run(make_case(11, [5, 9]), implementation="xla", config=object())

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _inline, _mosaic
 from jax_mla._common import FP8_E4M3_MAX, cdiv
+from jax_mla._inline import asm, at, fmax, shuffle, wide
 from jax_mla.cache.auto import AUTO
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.e2m1 import MAX as E2M1_MAX
@@ -96,9 +97,8 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   """One lane's part of its warp's token (inline Mosaic GPU): see the module."""
   del ctx
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
   refs = list(refs)
   cache_ref = refs.pop()
@@ -106,42 +106,12 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   rope_ref = None if latent else refs.pop()
   i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
                    ir.F32Type.get())
-  i8 = ir.IntegerType.get_signless(8)
-  void = ir.Type.parse("!llvm.void")
-  quad = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+  void = _inline.void()
+  glob, store = _inline.global_ptr, _inline.store_words
+  load16 = functools.partial(_inline.load_words, count=4)  # four b32 words
   c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
   c64 = lambda v: mgpu.c(v, i64)  # noqa: E731
   cf = lambda v: mgpu.c(v, f32)  # noqa: E731
-
-  def glob(ref):
-    return llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                              mgpu_utils.memref_ptr(ref))
-
-  def at(base, offset):  # byte address base + offset (i64)
-    return mgpu_utils.getelementptr(base, [offset], i8)
-
-  def wide(v):
-    return arith.extui(i64, v)
-
-  def asm(ty, text, constraints, *args, effects=False):
-    return llvm.inline_asm(ty, list(args), text, constraints, has_side_effects=effects)
-
-  def load16(ptr):  # 16 bytes: four b32 words
-    words = asm(quad, "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", ptr)
-    return [llvm.extractvalue(i32, words, [k]) for k in range(4)]
-
-  def store(ptr, words, ok):  # 8 or 16 bytes, where ok
-    regs = ", ".join(f"${k + 1}" for k in range(len(words)))
-    asm(void, f"{{.reg .pred p; setp.ne.b32 p, ${len(words) + 1}, 0; "
-              f"@p st.global.v{len(words)}.b32 [$0], {{{regs}}};}}",
-        ",".join(["l"] + ["r"] * (len(words) + 1)), ptr, *words, ok, effects=True)
-
-  def shuffle(v, lane_or_mask, mode):  # every lane of the warp takes part
-    return asm(i32, f"shfl.sync.{mode}.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", v,
-               lane_or_mask)
-
-  def fmax(a, b):  # max.f32: a NaN operand gives the other (CUDA's fmaxf)
-    return asm(f32, "max.f32 $0, $1, $2;", "=f,f,f", a, b)
 
   def floats(pairs):  # bf16 pairs (b32 word k: values 2k low, 2k + 1 high) -> float32
     return [arith.bitcast(f32, v) for p in pairs
@@ -170,10 +140,8 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   def when(ok, cond):
     return arith.andi(ok, arith.extui(i32, cond))
 
-  tid = arith.remui(mgpu.thread_idx(), c32(128))
-  lane = arith.remui(tid, c32(32))
-  token = arith.addi(arith.muli(arith.index_cast(i32, gpu.block_id(gpu.Dimension.x)), c32(WARPS)),
-                     arith.divui(tid, c32(32)))
+  lane, warp = _inline.lane_and_warp()
+  token = arith.addi(arith.muli(_inline.block_x(), c32(WARPS)), warp)
   in_range = arith.cmpi(arith.CmpIPredicate.ult, token, c32(num_tokens))
   token = arith.minui(token, c32(num_tokens - 1))  # loads stay in bounds; stores check ok
   slot = asm(i32, "ld.global.nc.b32 $0, [$1];", "=r,l",

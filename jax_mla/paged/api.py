@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mla import _mosaic
 from jax_mla._common import (
   Implementation,
   as_int32,
@@ -23,7 +24,7 @@ from jax_mla._common import (
   resolve_implementation,
 )
 from jax_mla.indexing.metadata import block_table_checks
-from jax_mla.paged import triton
+from jax_mla.paged import mosaic, triton
 from jax_mla.paged.layout import key_view, value_view
 from jax_mla.paged.reference import paged_attention_xla
 from jax_mla.sharding import OpSharding, shape_of
@@ -71,6 +72,9 @@ def _paged_attention(query, key_cache, value_cache, block_table, seq_lens, sm_sc
                 query_start_loc=query_start_loc, out_scale=out_scale if has_out_scale else None)
   if config is None:
     return paged_attention_xla(query, kv, vv, block_table, seq_lens, **kwargs)
+  if isinstance(config, mosaic.Config):
+    return mosaic.paged_attention_mosaic(query, kv, vv, block_table, seq_lens, config=config,
+                                         **kwargs)
   return triton.paged_attention_triton(query, kv, vv, block_table, seq_lens, config=config,
                                        interpret=interpret, **kwargs)
 
@@ -92,7 +96,7 @@ def paged_attention(
     out_scale: float | jax.Array | None = None,
     physical_block_size: int | None = None,
     num_kv_splits: int | None = None,
-    config: triton.Config | None = None,
+    config: triton.Config | mosaic.Config | None = None,
     checks: bool = False,
     implementation: Implementation = None,
     interpret: bool = False,
@@ -130,19 +134,26 @@ def paged_attention(
       such as 544 that are not a power of two; any size works here).
     num_kv_splits: static; programs per (sequence, kv head) along the sequence
       (replaces ``config.num_splits`` when given). ``None`` picks enough to fill the GPU.
-    config: ``None`` (the heuristic) or a :class:`jax_mla.paged.triton.Config`.
+    config: ``None`` (the heuristic), a :class:`jax_mla.paged.triton.Config` (Triton) or
+      a :class:`jax_mla.paged.mosaic.Config` (Mosaic GPU), matching the implementation.
     checks: also check values (eager raise; under ``jax.jit`` wrap the call in
       ``checkify.checkify``): ``0 <= seq_lens <= max_blocks * block_size`` and the
       block ids each sequence uses inside ``[0, nb)``.
-    implementation: ``None`` (Triton on GPU, the reference elsewhere), ``"triton"``
-      (old name ``"pallas"``) or ``"xla"``.
+    implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper: bf16/fp16 caches in vLLM's
+      layout, head sizes a multiple of 32 up to 256, blocks a multiple of 16, up to 16
+      query heads per KV head; :func:`jax_mla.paged.mosaic.check_supported`),
+      ``"triton"`` (old name ``"pallas"``) or ``"xla"`` (the reference). ``None``:
+      Mosaic GPU on Hopper where it takes the inputs, else Triton on a GPU, else the
+      reference.
     interpret: run the Triton kernel in the Pallas interpreter (CPU tests).
 
   Returns:
     ``[T, Hq, D]`` in the query dtype, or ``float8_e4m3fn`` with ``out_scale``.
     A sequence with no valid key (``seq_len == 0``) gives 0.
   """
-  impl = resolve_implementation(implementation, interpret, like=query)
+  if implementation == "mosaic":
+    mosaic.check_supported(query, key_cache, value_cache)
+  impl = resolve_implementation(implementation, interpret, has_mosaic=True, like=query)
   check_rank("query", query, 3)
   check_dtype("query", query, _QUERY_DTYPES)
   check_rank("key_cache", key_cache, (4, 5))
@@ -194,11 +205,16 @@ def paged_attention(
                                            num_blocks=nb, table_name="block_tables"))
   if num_seqs == 0:  # no sequence: every token belongs to none (0); no kernel to run
     return jnp.zeros((t, hq, head_dim), query.dtype if out_scale is None else jnp.float8_e4m3fn)
-  config = backend_config(impl, config, triton=(triton.Config, functools.partial(
+  if implementation is None and impl == "triton" and not interpret and _mosaic.default_for(
+      mosaic.check_supported, query, key_cache, value_cache):
+    impl = "mosaic"
+  max_tokens = block_tables.shape[1] * block_size
+  config = backend_config(impl, config, mosaic=(mosaic.Config, functools.partial(
+      mosaic.with_defaults, num_kv_splits=num_kv_splits, num_seqs=num_seqs, num_kv_heads=hkv,
+      max_tokens=max_tokens)), triton=(triton.Config, functools.partial(
       triton.with_defaults, num_kv_splits=num_kv_splits,
       fp8_cache=jnp.dtype(key_cache.dtype).itemsize == 1, head_dim=head_dim,
-      num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=block_tables.shape[1] * block_size,
-      interpret=interpret)))
+      num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=max_tokens, interpret=interpret)))
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,

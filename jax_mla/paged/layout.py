@@ -1,5 +1,6 @@
-"""How paged_attention reads its caches and places its rows: shared by the Triton
-kernel (:mod:`jax_mla.paged.triton`) and the reference (:mod:`jax_mla.paged.reference`).
+"""How paged_attention reads its caches and places its rows: shared by the kernels
+(:mod:`jax_mla.paged.triton`, :mod:`jax_mla.paged.mosaic`) and the reference
+(:mod:`jax_mla.paged.reference`).
 
 Every cache layout is first viewed as one canonical 5-D shape
 ``[num_blocks, num_kv_heads, D // x, block_size, x]`` (the vLLM key layout):
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla.cache.e4m3 import cast_fp8
+from jax_mla.merge import combine_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +79,24 @@ def finish_output(out: jax.Array, dtype, out_scale) -> jax.Array:
   if out_scale is None:
     return out.astype(dtype)
   return cast_fp8(out, out_scale)
+
+
+def finish_parts(out_part: jax.Array, lse_part: jax.Array, attn_sink: jax.Array | None,
+                 query_row: jax.Array, num_tokens: int, *, identity: bool, dtype,
+                 out_scale) -> jax.Array:
+  """A kernel's KV splits to the op's output: ``out_part[P, S, Hq, D]`` (each split
+  normalised over its own keys) and natural-log ``lse_part[P, S, Hq]`` (``+inf``: no
+  key) are combined with the sink, placed at the sequences' rows
+  (:func:`scatter_rows`) and cast (:func:`finish_output`)."""
+  if attn_sink is not None:
+    # The sink adds exp(sink) to the softmax denominator and nothing to the values: one
+    # more part with zero output. A +inf sink (which the combine reads as "no keys")
+    # takes all the weight.
+    sink = jnp.broadcast_to(attn_sink.astype(jnp.float32), (1, *lse_part.shape[1:]))
+    out_part = jnp.concatenate([out_part, jnp.zeros_like(out_part[:1])])
+    lse_part = jnp.concatenate([lse_part, sink])
+  out, _ = combine_splits(out_part, lse_part)
+  if attn_sink is not None:
+    out = jnp.where(jnp.isposinf(attn_sink)[None, :, None], 0.0, out)
+  out = scatter_rows(out, query_row, num_tokens, identity=identity)
+  return finish_output(out, dtype, out_scale)

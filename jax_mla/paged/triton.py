@@ -4,7 +4,8 @@ One program per (sequence, kv head, kv split) computes all query heads of the
 group at once (padded to 16 rows for the tensor-core dot) over its share of the
 sequence's tiles with the online softmax of :mod:`jax_mla._softmax`, and writes a
 normalised partial output plus its LSE. The splits (and the attention sink) are
-combined afterwards in XLA (:mod:`jax_mla.merge`). Against the seed ``kernel_paged_attention_2d``:
+combined afterwards in XLA (:func:`jax_mla.paged.layout.finish_parts`). Against the seed
+``kernel_paged_attention_2d``:
 
 - splitting the sequence lets a few long sequences fill the GPU;
 - a tile spans several cache blocks (64 tokens, 128 for fp8, not one 16-token
@@ -40,8 +41,7 @@ from jax_mla._common import (
   num_sms,
   with_num_splits,
 )
-from jax_mla.merge import combine_splits
-from jax_mla.paged.layout import CacheView, decode_rows, finish_output, scatter_rows
+from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
 
 
 def _kernel(scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, group, head_dim,
@@ -214,19 +214,8 @@ def paged_attention_triton(query, key_view_: CacheView, value_view_: CacheView, 
       name="paged_attention",
   )(*inputs)
 
-  # [S, P, Hq, D] partials -> one output per sequence (flash-decoding combine).
   out_part = out_part[..., :group, :head_dim].reshape(num_seqs, num_splits, hq, head_dim)
   lse_part = lse_part[..., :group].reshape(num_seqs, num_splits, hq)
-  out_part, lse_part = jnp.moveaxis(out_part, 1, 0), jnp.moveaxis(lse_part, 1, 0)
-  if attn_sink is not None:
-    # The sink adds exp(sink) to the softmax denominator and nothing to the values: one
-    # more part with zero output. A +inf sink (which the combine reads as "no keys")
-    # takes all the weight.
-    sink = jnp.broadcast_to(attn_sink.astype(jnp.float32), (1, num_seqs, hq))
-    out_part = jnp.concatenate([out_part, jnp.zeros_like(out_part[:1])])
-    lse_part = jnp.concatenate([lse_part, sink])
-  out, _ = combine_splits(out_part, lse_part)
-  if attn_sink is not None:
-    out = jnp.where(jnp.isposinf(attn_sink)[None, :, None], 0.0, out)
-  out = scatter_rows(out, query_row, t, identity=query_start_loc is None)
-  return finish_output(out, query.dtype, out_scale)
+  return finish_parts(jnp.moveaxis(out_part, 1, 0), jnp.moveaxis(lse_part, 1, 0), attn_sink,
+                      query_row, t, identity=query_start_loc is None, dtype=query.dtype,
+                      out_scale=out_scale)

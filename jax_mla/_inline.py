@@ -1,0 +1,121 @@
+"""Building blocks of Mosaic GPU kernels written lane by lane (``plgpu.inline_mgpu``):
+each thread's own loads, stores, shuffles and arithmetic, as MLIR values.
+
+Used where a kernel's access pattern has no tile layout Mosaic GPU knows (one warp
+per token in :mod:`jax_mla.cache.mosaic`; vLLM's paged blocks in
+:mod:`jax_mla.paged.mosaic`). Call these while an ``inline_mgpu`` body is being
+built: they need its MLIR context and insertion point. Byte addresses are LLVM
+global pointers (:func:`global_ptr`, :func:`at`); the PTX runs as written.
+"""
+
+from __future__ import annotations
+
+
+def _ir():
+  from jax._src.lib.mlir import ir
+  return ir
+
+
+def int_type(bits: int = 32):
+  return _ir().IntegerType.get_signless(bits)
+
+
+def f32_type():
+  return _ir().F32Type.get()
+
+
+def const(value: int, bits: int = 32):
+  """An integer constant of ``bits`` bits."""
+  from jax.experimental.mosaic import gpu as mgpu
+  return mgpu.c(value, int_type(bits))
+
+
+def fconst(value: float):
+  """A float32 constant."""
+  from jax.experimental.mosaic import gpu as mgpu
+  return mgpu.c(value, f32_type())
+
+
+def asm(ty, text: str, constraints: str, *args, effects: bool = False):
+  """Inline PTX returning one value of type ``ty`` (``!llvm.void``: nothing)."""
+  from jax._src.lib.mlir.dialects import llvm
+  return llvm.inline_asm(ty, list(args), text, constraints, has_side_effects=effects)
+
+
+def struct(*types: str):
+  """An LLVM struct type of inline PTX with several results, e.g. ``struct("i32", "i32")``."""
+  return _ir().Type.parse(f"!llvm.struct<({', '.join(types)})>")
+
+
+def fields(value, ty, count: int):
+  """The ``count`` fields of an inline PTX struct result, each of type ``ty``."""
+  from jax._src.lib.mlir.dialects import llvm
+  return [llvm.extractvalue(ty, value, [k]) for k in range(count)]
+
+
+def void():
+  return _ir().Type.parse("!llvm.void")
+
+
+def global_ptr(ref):
+  """The address of a GMEM memref's first element, as an LLVM global pointer."""
+  from jax._src.lib.mlir.dialects import llvm
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+
+
+def at(base, offset):
+  """Byte address ``base + offset`` (``offset`` an i64 value)."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  return mgpu_utils.getelementptr(base, [offset], int_type(8))
+
+
+def wide(v):
+  """An i32 value zero-extended to i64 (byte offsets of large arrays)."""
+  from jax._src.lib.mlir.dialects import arith
+  return arith.extui(int_type(64), v)
+
+
+def load_words(ptr, count: int, hint: str = ""):
+  """``count`` (1, 2 or 4) b32 words from ``ptr`` through the read-only path;
+  ``hint``: a cache qualifier such as ``".L1::no_allocate"``."""
+  if count == 1:
+    return [asm(int_type(), f"ld.global.nc{hint}.b32 $0, [$1];", "=r,l", ptr)]
+  regs = ", ".join(f"${k}" for k in range(count))
+  words = asm(struct(*["i32"] * count), f"ld.global.nc{hint}.v{count}.b32 {{{regs}}}, [${count}];",
+              ",".join(["=r"] * count + ["l"]), ptr)
+  return fields(words, int_type(), count)
+
+
+def store_words(ptr, words, ok):
+  """Stores ``words`` (1, 2 or 4 b32 values) at ``ptr`` where ``ok`` (i32) is not 0."""
+  n = len(words)
+  regs = "$1" if n == 1 else "{" + ", ".join(f"${k + 1}" for k in range(n)) + "}"
+  vec = f".v{n}" if n > 1 else ""
+  asm(void(), f"{{.reg .pred p; setp.ne.b32 p, ${n + 1}, 0; @p st.global{vec}.b32 [$0], {regs};}}",
+      ",".join(["l"] + ["r"] * (n + 1)), ptr, *words, ok, effects=True)
+
+
+def shuffle(v, lane_or_mask, mode: str):
+  """``shfl.sync.<mode>`` of an i32 across the whole warp (every lane takes part)."""
+  return asm(int_type(), f"shfl.sync.{mode}.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", v,
+             lane_or_mask)
+
+
+def fmax(a, b):
+  """``max.f32``: a NaN operand gives the other (CUDA's ``fmaxf``)."""
+  return asm(f32_type(), "max.f32 $0, $1, $2;", "=f,f,f", a, b)
+
+
+def lane_and_warp():
+  """``(lane, warp)`` of this thread in its 128-thread warpgroup, as i32."""
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+  tid = arith.remui(mgpu.thread_idx(), const(128))
+  return arith.remui(tid, const(32)), arith.divui(tid, const(32))
+
+
+def block_x():
+  """``blockIdx.x`` as i32."""
+  from jax._src.lib.mlir.dialects import arith, gpu
+  return arith.index_cast(int_type(), gpu.block_id(gpu.Dimension.x))

@@ -1,0 +1,368 @@
+"""Pallas Mosaic GPU paged decode attention (Hopper), written lane by lane.
+
+The Mosaic GPU backend of :func:`jax_mla.paged.paged_attention` (``implementation=
+"mosaic"``, and the default on Hopper for what it takes). Memory-bound: a query head
+group of a KV head does about 8 flops per cache byte, so the kernel is built around
+the loads, not the tensor-core tiles:
+
+- One warp per (sequence, KV head, KV split); four warps per CTA, independent.
+- vLLM's key block ``[D / 8][bs][8]`` is read as it lies: a 16-token step is two
+  ``mma.sync.m16n8k16`` B operands per 16 head dims whose lanes load 16 bytes each
+  (a lane's 8 head dims feed two k-steps of the mma; the query's A operand is
+  loaded in the same order, so the dot products are unchanged), and the value block
+  ``[D][bs]`` gives each lane 4 consecutive tokens of one head dim (8 bytes). Every
+  32-byte sector a warp touches is read whole, with no shared-memory staging.
+- ``S = Q K^T`` has the group's heads on the mma's 16 rows (a group of up to 16;
+  padding rows are zero) and 8 tokens on its columns; the tokens are placed so that
+  each lane's four scores are the four tokens its value load holds, and ``P`` goes
+  from the accumulator to the ``P V`` A operand in registers.
+- The online softmax of :mod:`jax_mla._softmax` in base 2 (row maxima over the 4
+  lanes of a row by shuffles; row sums per lane until the end). Scores of slots past
+  ``seq_len``, outside the window or in a block with an out-of-range id are ``-inf``
+  and their value words are zeroed before the mma (they may hold NaN), and an
+  out-of-range block id is never dereferenced.
+- Each warp loads the next step's block id while it works on this one.
+
+Each split writes its normalised float32 part and natural-log LSE; the parts and the
+sink are combined in XLA (:func:`jax_mla.paged.layout.finish_parts`), as the Triton
+kernel's are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_mla import _inline, _mosaic
+from jax_mla._common import LN2, LOG2E, cdiv, check_num_splits, num_sms, with_num_splits
+from jax_mla._inline import asm, at, const, fconst, fmax, shuffle, wide
+from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
+
+WARPS = 4  # work items per CTA, one warp each
+STEP = 16  # tokens per step: the k side of the P V mma
+MAX_GROUP = 16  # query heads per KV head: the mma's 16 rows
+# Warps resident per SM the default splits aim for, and the fewest steps a split keeps.
+_TARGET_WARPS_PER_SM = 16
+_MIN_SPLIT_STEPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tuning of the Mosaic GPU paged-attention kernel (changes no result beyond rounding).
+
+  Attributes:
+    num_splits: KV splits per (sequence, KV head): warps that each take an equal share
+      of the sequence's 16-token steps; ``None`` picks :func:`default_num_kv_splits`.
+  """
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    check_num_splits("Config.num_splits", self.num_splits)
+
+
+def check_supported(query, key_cache, value_cache) -> None:
+  """Raises ``ValueError`` for what the kernel does not take (the Triton kernel does):
+  it takes bf16 or fp16 queries and caches of the same dtype in vLLM's layout (key
+  ``[nb, Hkv, D // 8, bs, 8]``, value ``[nb, Hkv, D, bs]``), a head size ``D`` that is a
+  multiple of 32 up to 256, blocks of a multiple of 16 tokens and up to 16 query heads
+  per KV head."""
+  dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  if jnp.dtype(query.dtype) not in dtypes or key_cache.dtype != query.dtype:
+    raise ValueError(f"the Mosaic GPU paged-attention kernel takes bf16 or fp16 queries and "
+                     f"caches of the same dtype; got {query.dtype} and {key_cache.dtype} (use "
+                     "implementation='triton')")
+  if key_cache.ndim != 5 or key_cache.shape[4] != 8:
+    raise ValueError(f"the Mosaic GPU paged-attention kernel reads vLLM's key layout [nb, Hkv, "
+                     f"D // 8, bs, 8]; got {list(key_cache.shape)} (use implementation='triton')")
+  _, hkv, _, block_size, _ = key_cache.shape
+  head_dim = query.shape[2]
+  if tuple(value_cache.shape[2:]) != (head_dim, block_size):
+    raise ValueError(f"the Mosaic GPU paged-attention kernel reads vLLM's value layout [nb, "
+                     f"Hkv, {head_dim}, {block_size}]; got {list(value_cache.shape)} (use "
+                     "implementation='triton')")
+  if head_dim % 32 or head_dim > 256 or block_size % STEP:
+    raise ValueError(f"the Mosaic GPU paged-attention kernel takes head sizes that are a "
+                     f"multiple of 32 up to 256 and blocks of a multiple of {STEP} tokens; got "
+                     f"{head_dim} and {block_size} (use implementation='triton')")
+  if query.shape[1] // hkv > MAX_GROUP:
+    raise ValueError(f"the Mosaic GPU paged-attention kernel takes up to {MAX_GROUP} query heads "
+                     f"per KV head; got {query.shape[1] // hkv} (use implementation='triton')")
+
+
+def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int,
+                          num_cores: int) -> int:
+  """Splits so that about ``_TARGET_WARPS_PER_SM`` warps run per SM, each with at least
+  ``_MIN_SPLIT_STEPS`` 16-token steps."""
+  splits = 1
+  while (num_seqs * num_kv_heads * splits < _TARGET_WARPS_PER_SM * num_cores
+         and max_steps // (2 * splits) >= _MIN_SPLIT_STEPS):
+    splits *= 2
+  return splits
+
+
+def with_defaults(config: Config | None, *, num_kv_splits: int | None, num_seqs: int,
+                  num_kv_heads: int, max_tokens: int) -> Config:
+  """``config`` (``None``: the default) with ``num_splits`` set (as the Triton kernel's)."""
+  return with_num_splits(config or Config(), num_kv_splits, lambda: default_num_kv_splits(
+      num_seqs, num_kv_heads, cdiv(max_tokens, STEP), num_sms()))
+
+
+def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, block_table,
+                           seq_lens, *, sm_scale, k_scale, v_scale, attn_sink, alibi_slopes,
+                           sliding_window, query_start_loc, out_scale, config: Config):
+  """Kernel path of ``paged_attention`` (arguments validated, :func:`check_supported`
+  passed, ``config.num_splits`` set); call under jit."""
+  plgpu = _mosaic.plgpu()
+  t, hq, head_dim = query.shape
+  num_blocks, hkv, _, block_size, _ = key_view_.data.shape
+  num_seqs, max_blocks = block_table.shape
+  splits = config.num_splits
+  group = hq // hkv
+
+  query_row, lens = decode_rows(seq_lens, query_start_loc, t)
+  if num_blocks == 0 or max_blocks == 0:  # nothing to read: every sequence is empty
+    lens = jnp.zeros_like(lens)
+    block_table = jnp.zeros((num_seqs, 1), jnp.int32)
+    max_blocks = 1
+  scalars = jnp.stack([jnp.asarray(sm_scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
+                       * LOG2E, jnp.asarray(v_scale, jnp.float32)])
+  inputs = [scalars, query_row, lens, block_table, query, key_view_.data,
+            value_view_.data.reshape(num_blocks, hkv, head_dim, block_size)]
+  if alibi_slopes is not None:
+    inputs.append(alibi_slopes.astype(jnp.float32) * LOG2E)
+  items = num_seqs * hkv * splits
+  body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(inputs) + 2))(functools.partial(
+      _attend, group=group, head_dim=head_dim, block_size=block_size, num_kv_heads=hkv,
+      num_seqs=num_seqs, splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
+      sliding_window=sliding_window, has_alibi=alibi_slopes is not None,
+      fp16=query.dtype == jnp.float16))
+  out_part, lse_part = pl.kernel(
+      body, name="paged_attention",
+      out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hq, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((splits, num_seqs, hq), jnp.float32)),
+      mesh=plgpu.Mesh(grid=(cdiv(items, WARPS),), grid_names=("w",)))(*inputs)
+  return finish_parts(out_part, lse_part, attn_sink, query_row, t,
+                      identity=query_start_loc is None, dtype=query.dtype, out_scale=out_scale)
+
+
+def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
+            head_dim, block_size, num_kv_heads, num_seqs, splits, max_blocks, num_blocks,
+            sliding_window, has_alibi, fp16):
+  """One warp's (sequence, KV head, split): see the module. Lane ``(r, c) = (lane // 4,
+  lane % 4)`` holds the scores of heads ``r`` and ``r + 8`` for the step's tokens ``4c ..
+  4c + 3`` and the outputs of those heads at head dims ``8n + 2c, 8n + 2c + 1``."""
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, scf
+
+  alibi_ref = refs[0] if has_alibi else None
+  o_ref, lse_ref = refs[-2:]
+  i32, f32 = _inline.int_type(), _inline.f32_type()
+  c64 = functools.partial(const, bits=64)
+  lt = functools.partial(arith.cmpi, arith.CmpIPredicate.slt)
+  two_halves = group > 8  # heads r + 8 exist: the mma's rows 8..15 carry data
+  dtype = "f16" if fp16 else "bf16"
+  d_chunks = head_dim // 8  # 16-byte key runs of a token
+  head_bytes = head_dim * block_size * 2  # one block of one KV head, for K and for V
+  neg_inf = fconst(float("-inf"))
+
+  lane, warp = _inline.lane_and_warp()
+  r, c = arith.divui(lane, const(4)), arith.remui(lane, const(4))
+  item = arith.addi(arith.muli(_inline.block_x(), const(WARPS)), warp)
+  live = lt(item, const(num_seqs * num_kv_heads * splits))
+  item = arith.minui(item, const(num_seqs * num_kv_heads * splits - 1))
+  split = arith.remui(item, const(splits))
+  h = arith.remui(arith.divui(item, const(splits)), const(num_kv_heads))
+  seq = arith.divui(item, const(splits * num_kv_heads))
+
+  def load_i32(ref, index):
+    return _inline.load_words(at(_inline.global_ptr(ref), arith.muli(wide(index), c64(4))), 1)[0]
+
+  def load_f32(ref, index):
+    return arith.bitcast(f32, load_i32(ref, index))
+
+  length = load_i32(len_ref, seq)  # >= 0 (decode_rows)
+  row = arith.maxsi(load_i32(row_ref, seq), const(0))
+  num_steps = arith.divui(arith.addi(length, const(STEP - 1)), const(STEP))
+  first = const(0)
+  if sliding_window:
+    first = arith.divui(arith.maxsi(arith.subi(length, const(sliding_window)), const(0)),
+                        const(STEP))
+  per_split = arith.divui(arith.addi(arith.subi(num_steps, first), const(splits - 1)),
+                          const(splits))
+  lo = arith.addi(first, arith.muli(split, per_split))
+  hi = arith.select(live, arith.minsi(arith.addi(lo, per_split), num_steps), lo)
+  hi = arith.maxsi(hi, lo)
+  qk_scale, v_scale = load_f32(scal_ref, const(0)), load_f32(scal_ref, const(1))
+
+  # The group's heads r and r + 8 (clamped inside the group; padding rows are zero).
+  heads = [r, arith.addi(r, const(8))]
+  head_ok = [lt(x, const(group)) for x in heads]
+  heads = [arith.minui(x, const(group - 1)) for x in heads]
+  q_base = _inline.global_ptr(q_ref)
+  zero = const(0)
+
+  def query_words(x):  # lane c's 16-byte runs of head x: head dims 8 (4j + c) .. + 7
+    rows = arith.addi(arith.muli(arith.addi(arith.muli(row, const(num_kv_heads)), h),
+                                 const(group)), heads[x])
+    words = []
+    for j in range(d_chunks // 4):
+      d = arith.muli(arith.addi(const(4 * j), c), const(8))
+      ptr = at(q_base, arith.muli(wide(arith.addi(arith.muli(rows, const(head_dim)), d)), c64(2)))
+      words += [arith.select(head_ok[x], w, zero) for w in _inline.load_words(ptr, 4)]
+    return words
+
+  qa = query_words(0)
+  qb = query_words(1) if two_halves else [zero] * len(qa)
+  slopes = [fconst(0.0)] * 2
+  if has_alibi:
+    slopes = [arith.select(head_ok[x], load_f32(alibi_ref, arith.addi(
+        arith.muli(h, const(group)), heads[x])), fconst(0.0)) for x in range(2)]
+
+  mma_ty = _inline.struct("f32", "f32", "f32", "f32")
+
+  def mma(acc, a, b):
+    out = asm(mma_ty, f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 "
+                      "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+              "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", *a, *b, *acc)
+    return _inline.fields(out, f32, 4)
+
+  def block_id(step):
+    logical = arith.divui(arith.muli(step, const(STEP)), const(block_size))
+    return load_i32(bt_ref, arith.addi(arith.muli(seq, const(max_blocks)),
+                                       arith.minui(logical, const(max_blocks - 1))))
+
+  k_base, v_base = _inline.global_ptr(k_ref), _inline.global_ptr(v_ref)
+  # Lane (r, c)'s key token of column r of the step's two 8-token mma tiles: tile j holds
+  # tokens 4 (r // 2) + r % 2 + 2 j, so the accumulator gives lane c tokens 4c .. 4c + 3.
+  k_token = arith.addi(arith.muli(arith.divui(r, const(2)), const(4)), arith.remui(r, const(2)))
+  k_lane = wide(arith.addi(arith.muli(arith.muli(c, const(block_size)), const(16)),
+                           arith.muli(k_token, const(16))))
+  # Lane (r, c)'s value words: head dim 8n + r, tokens 4c .. 4c + 3.
+  v_lane = wide(arith.addi(arith.muli(arith.muli(r, const(block_size)), const(2)),
+                           arith.muli(c, const(8))))
+  tokens = [arith.addi(arith.muli(c, const(4)), const(i)) for i in range(4)]
+
+  per = 4 if two_halves else 2  # accumulator fields a lane keeps per 8 head dims
+  acc0 = [fconst(0.0)] * (d_chunks * per)
+  carry = [block_id(lo), neg_inf, neg_inf, fconst(0.0), fconst(0.0)] + acc0
+  loop = scf.ForOp(lo, hi, const(1), carry)
+  with ir.InsertionPoint(loop.body):
+    step = loop.induction_variable
+    blk, m_a, m_b, l_a, l_b, *acc = loop.inner_iter_args
+    next_blk = block_id(arith.addi(step, const(1)))
+    pos0 = arith.muli(step, const(STEP))
+    logical = arith.divui(pos0, const(block_size))
+    blk_ok = arith.andi(lt(logical, const(max_blocks)), arith.andi(
+        arith.cmpi(arith.CmpIPredicate.sge, blk, const(0)), lt(blk, const(num_blocks))))
+    blk = arith.select(blk_ok, blk, const(0))
+    block = arith.addi(arith.muli(wide(blk), c64(num_kv_heads)), wide(h))
+    offset = wide(arith.remui(pos0, const(block_size)))
+    key_at = at(k_base, arith.addi(arith.muli(block, c64(head_bytes)),
+                                   arith.addi(arith.muli(offset, c64(16)), k_lane)))
+    value_at = at(v_base, arith.addi(arith.muli(block, c64(head_bytes)),
+                                     arith.addi(arith.muli(offset, c64(2)), v_lane)))
+    hint = ".L1::no_allocate"
+    keys = [[w for j in range(d_chunks // 4)
+             for w in _inline.load_words(at(key_at, c64(j * 4 * block_size * 16 + t * 32)), 4,
+                                         hint)]
+            for t in range(2)]
+    values = [_inline.load_words(at(value_at, c64(n * 8 * block_size * 2)), 2, hint)
+              for n in range(d_chunks)]
+
+    scores = []
+    for t in range(2):
+      s = [fconst(0.0)] * 4
+      for k in range(d_chunks // 2):  # k-step k: words 2k, 2k + 1 of the runs
+        s = mma(s, (qa[2 * k], qb[2 * k], qa[2 * k + 1], qb[2 * k + 1]),
+                (keys[t][2 * k], keys[t][2 * k + 1]))
+      scores.append(s)
+    # Lane c's tokens 4c + i: tile i // 2, column 2c + i % 2; head r in fields 0, 1,
+    # head r + 8 in fields 2, 3.
+    pos = [arith.addi(pos0, x) for x in tokens]
+    valid = [arith.andi(blk_ok, lt(p, length)) for p in pos]
+    if sliding_window:
+      valid = [arith.andi(v, lt(arith.subi(arith.subi(length, const(1)), p),
+                                const(sliding_window))) for v, p in zip(valid, pos, strict=True)]
+    rel = [arith.sitofp(f32, arith.subi(p, arith.subi(length, const(1)))) for p in pos]
+
+    def row_scores(x):
+      out = []
+      for i in range(4):
+        v = arith.mulf(scores[i // 2][2 * x + i % 2], qk_scale)
+        if has_alibi:
+          v = arith.addf(v, arith.mulf(slopes[x], rel[i]))
+        out.append(arith.select(valid[i], v, neg_inf))
+      return out
+
+    def softmax(s, m, l):
+      top = fmax(fmax(s[0], s[1]), fmax(s[2], s[3]))
+      for mask in (1, 2):  # the row's four lanes
+        top = fmax(top, arith.bitcast(f32, shuffle(arith.bitcast(i32, top), const(mask), "bfly")))
+      m_new = fmax(m, top)
+      m_safe = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m_new, neg_inf), fconst(0.0),
+                            m_new)
+      alpha = _exp2(arith.subf(m, m_safe))
+      p = [_exp2(arith.subf(v, m_safe)) for v in s]
+      l = arith.addf(arith.mulf(l, alpha), arith.addf(arith.addf(p[0], p[1]),
+                                                      arith.addf(p[2], p[3])))
+      return m_new, l, alpha, p
+
+    m_a, l_a, alpha_a, p_a = softmax(row_scores(0), m_a, l_a)
+    if two_halves:
+      m_b, l_b, alpha_b, p_b = softmax(row_scores(1), m_b, l_b)
+      pb = [_pack(p_b[0], p_b[1], dtype), _pack(p_b[2], p_b[3], dtype)]
+    else:
+      alpha_b, pb = None, [zero, zero]
+    p_words = (_pack(p_a[0], p_a[1], dtype), pb[0], _pack(p_a[2], p_a[3], dtype), pb[1])
+    # Value words of invalid tokens are zeroed (they may hold NaN; 0 * NaN is NaN).
+    masks = [arith.ori(arith.select(valid[2 * w], const(0xFFFF), zero),
+                       arith.select(valid[2 * w + 1], const(-65536), zero)) for w in range(2)]
+    new_acc = []
+    for n in range(d_chunks):
+      part = [arith.mulf(acc[per * n + f], alpha_a if f < 2 else alpha_b) for f in range(per)]
+      part += [fconst(0.0)] * (4 - per)
+      new_acc += mma(part, p_words, [arith.andi(values[n][w], masks[w]) for w in range(2)])[:per]
+    scf.YieldOp([next_blk, m_a, m_b, l_a, l_b] + new_acc)
+
+  _, m_a, m_b, l_a, l_b, *acc = loop.results
+  out_rows = arith.addi(arith.muli(arith.addi(arith.muli(split, const(num_seqs)), seq),
+                                   const(num_kv_heads * group)), arith.muli(h, const(group)))
+  o_base, lse_base = _inline.global_ptr(o_ref), _inline.global_ptr(lse_ref)
+  for x, (m, l) in enumerate(((m_a, l_a), (m_b, l_b))):
+    if x and not two_halves:
+      break
+    for mask in (1, 2):  # the row sum over its four lanes
+      l = arith.addf(l, arith.bitcast(f32, shuffle(arith.bitcast(i32, l), const(mask), "bfly")))
+    empty = arith.cmpf(arith.CmpFPredicate.OEQ, l, fconst(0.0))
+    l_safe = arith.select(empty, fconst(1.0), l)
+    inv = arith.select(empty, fconst(0.0), arith.divf(v_scale, l_safe))
+    lse = arith.select(empty, fconst(float("inf")),
+                       arith.mulf(arith.addf(m, _log2(l_safe)), fconst(LN2)))
+    out_row = arith.addi(out_rows, heads[x])
+    ok = arith.extui(i32, arith.andi(live, head_ok[x]))
+    row_at = at(o_base, arith.muli(wide(out_row), c64(head_dim * 4)))
+    for n in range(d_chunks):
+      words = [arith.bitcast(i32, arith.mulf(acc[per * n + 2 * x + f], inv)) for f in range(2)]
+      _inline.store_words(at(row_at, wide(arith.muli(arith.addi(const(8 * n), arith.muli(
+          c, const(2))), const(4)))), words, ok)
+    first_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, c, zero))
+    _inline.store_words(at(lse_base, arith.muli(wide(out_row), c64(4))),
+                        [arith.bitcast(i32, lse)], arith.andi(ok, first_lane))
+
+
+def _exp2(x):
+  return asm(_inline.f32_type(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", x)
+
+
+def _log2(x):
+  return asm(_inline.f32_type(), "lg2.approx.f32 $0, $1;", "=f,f", x)
+
+
+def _pack(lo, hi, dtype: str):
+  """Two float32 values rounded into one b32 word of ``dtype`` pairs (``lo`` low)."""
+  return asm(_inline.int_type(), f"cvt.rn.{dtype}x2.f32 $0, $1, $2;", "=r,f,f", hi, lo)
