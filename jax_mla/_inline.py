@@ -96,6 +96,13 @@ def store_words(ptr, words, ok):
       ",".join(["l"] + ["r"] * (n + 1)), ptr, *words, ok, effects=True)
 
 
+def bf16_floats(words):
+  """b32 words of bf16 pairs (low value first) -> their float32 values, in order."""
+  from jax._src.lib.mlir.dialects import arith
+  return [arith.bitcast(f32_type(), v) for w in words
+          for v in (arith.shli(w, const(16)), arith.andi(w, const(-65536)))]
+
+
 def shuffle(v, lane_or_mask, mode: str):
   """``shfl.sync.<mode>`` of an i32 across the whole warp (every lane takes part)."""
   return asm(int_type(), f"shfl.sync.{mode}.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", v,

@@ -42,7 +42,7 @@ class Case:
 
 def make_case(seed, seq_lens, *, hq=4, hkv=2, d=32, bs=16, layout="vllm", dtype=jnp.bfloat16,
               fp8_kv=False, query_lens=None, sinks=False, alibi=False, window=0,
-              out_scale=None):
+              out_scale=None, fp8_dtype=FP8):
   rng = np.random.default_rng(seed)
   num_seqs = len(seq_lens)
   blocks_per_seq = [-(-n // bs) for n in seq_lens]
@@ -51,7 +51,7 @@ def make_case(seed, seq_lens, *, hq=4, hkv=2, d=32, bs=16, layout="vllm", dtype=
   perm = rng.permutation(num_blocks)
   # Unused table entries point at other sequences' blocks: reading them would be a bug.
   block_tables = rng.integers(0, num_blocks, (num_seqs, max_blocks)).astype(np.int32)
-  kv_dtype = FP8 if fp8_kv else dtype
+  kv_dtype = fp8_dtype if fp8_kv else dtype
   k_scale, v_scale = (0.05, 0.03) if fp8_kv else (1.0, 1.0)
   kc = np.full((num_blocks, hkv, bs, d), np.nan, np.float32)
   vc = np.full((num_blocks, hkv, bs, d), np.nan, np.float32)
@@ -386,6 +386,16 @@ MOSAIC_CASES = {
                 dict(num_kv_splits=3)),
     "splits_past_steps": (dict(seed=27, seq_lens=[20, 5], hq=8, hkv=2, d=32),
                           dict(num_kv_splits=8)),
+    # fp8 caches (head sizes a multiple of 64): widened to fp16 for the mma, the query too.
+    "fp8_kv": (dict(seed=28, seq_lens=SEQ_LENS, d=64, fp8_kv=True), {}),
+    "fp8_all": (dict(seed=29, seq_lens=SEQ_LENS, hq=6, hkv=2, d=64, alibi=True, sinks=True,
+                     window=33, fp8_kv=True, out_scale=0.02, query_lens=[1, 1, 2, 1]), {}),
+    "fp8_e5m2_group16": (dict(seed=30, seq_lens=[3, 77, 16], hq=32, hkv=2, d=128, fp8_kv=True,
+                              fp8_dtype=jnp.float8_e5m2), dict(num_kv_splits=2)),
+    "fp8_f16_query": (dict(seed=31, seq_lens=[40, 1], hq=8, hkv=1, d=192, fp8_kv=True,
+                           dtype=jnp.float16), {}),
+    "fp8_f32_query": (dict(seed=32, seq_lens=[40, 1], hq=4, hkv=2, d=64, bs=32, fp8_kv=True,
+                           dtype=jnp.float32), {}),
 }
 
 
@@ -421,16 +431,19 @@ def test_gpu_mosaic_invalid_block_ids_are_masked():
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("group,d,bs,dtype", [(8, 128, 16, jnp.bfloat16),
-                                              (16, 64, 32, jnp.float16),
-                                              (3, 256, 48, jnp.bfloat16)])
-def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype):
+@pytest.mark.parametrize("group,d,bs,dtype,kv_dtype", [
+    (8, 128, 16, jnp.bfloat16, None), (16, 64, 32, jnp.float16, None),
+    (3, 256, 48, jnp.bfloat16, None), (8, 128, 16, jnp.bfloat16, FP8),
+    (12, 64, 16, jnp.float32, jnp.float8_e5m2), (8, 64, 16, jnp.float16, FP8)])
+def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype, kv_dtype):
   from helpers import lowers_for_cuda
 
   from jax_mla.paged import mosaic
   from jax_mla.paged.layout import key_view, value_view
 
   hkv, sds = 2, jax.ShapeDtypeStruct
+  kv_dtype = kv_dtype or dtype
+  x = 16 // jnp.dtype(kv_dtype).itemsize
 
   def f(q, k, v, bt, lens, sinks, alibi):
     return mosaic.paged_attention_mosaic(
@@ -438,8 +451,9 @@ def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype):
         attn_sink=sinks, alibi_slopes=alibi, sliding_window=33, query_start_loc=None,
         out_scale=None, config=mosaic.Config(num_splits=2))
 
-  text = lowers_for_cuda(f, sds((4, hkv * group, d), dtype), sds((10, hkv, d // 8, bs, 8), dtype),
-                         sds((10, hkv, d, bs), dtype), sds((4, 5), jnp.int32),
+  text = lowers_for_cuda(f, sds((4, hkv * group, d), dtype),
+                         sds((10, hkv, d // x, bs, x), kv_dtype), sds((10, hkv, d, bs), kv_dtype),
+                         sds((4, 5), jnp.int32),
                          sds((4,), jnp.int32), sds((hkv * group,), jnp.float32),
                          sds((hkv * group,), jnp.float32)).as_text()
   assert "mosaic_gpu" in text and "mma.sync.aligned.m16n8k16" in text
@@ -454,9 +468,11 @@ def test_mosaic_refuses_what_it_does_not_take():
                            jnp.zeros(v_shape, k_dtype or dtype))
 
   check((2, 16, 128), (4, 2, 16, 16, 8), (4, 2, 128, 16))  # takes
+  check((2, 16, 128), (4, 2, 8, 16, 16), (4, 2, 128, 16), jnp.float32, FP8)
   for match, args in [
-      ("bf16 or fp16", ((2, 16, 128), (4, 2, 8, 16, 16), (4, 2, 128, 16), jnp.bfloat16, FP8)),
       ("bf16 or fp16", ((2, 16, 128), (4, 2, 32, 16, 4), (4, 2, 128, 16), jnp.float32)),
+      ("key layout", ((2, 16, 128), (4, 2, 16, 16, 8), (4, 2, 128, 16), jnp.bfloat16, FP8)),
+      ("multiple of 64", ((2, 16, 96), (4, 2, 6, 16, 16), (4, 2, 96, 16), jnp.bfloat16, FP8)),
       ("key layout", ((2, 16, 128), (4, 2, 16, 128), (4, 2, 16, 128))),
       ("value layout", ((2, 16, 128), (4, 2, 16, 16, 8), (4, 2, 16, 128))),
       ("multiple of 32", ((2, 16, 80), (4, 2, 10, 16, 8), (4, 2, 80, 16))),

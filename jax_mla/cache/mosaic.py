@@ -113,10 +113,6 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   c64 = lambda v: mgpu.c(v, i64)  # noqa: E731
   cf = lambda v: mgpu.c(v, f32)  # noqa: E731
 
-  def floats(pairs):  # bf16 pairs (b32 word k: values 2k low, 2k + 1 high) -> float32
-    return [arith.bitcast(f32, v) for p in pairs
-            for v in (arith.shli(p, c32(16)), arith.andi(p, c32(-65536)))]
-
   def divided(values, scale):  # x / scale, IEEE; an infinite x stays infinite (saturates)
     return [asm(f32, "{.reg .pred p; div.rn.f32 $0, $1, $2; testp.infinite.f32 p, $1;"
                      " @p mov.f32 $0, $1;}", "=f,f,f", v, scale) for v in values]
@@ -188,13 +184,14 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
     return
   if fmt == FP8_PER_TENSOR:  # fp8 rows [kv_c | k_pe] / scale
     scale = asm(f32, "ld.global.nc.f32 $0, [$1];", "=f,l", glob(scale_ref))
-    store(at(token_row, lane_bytes), fp8_words(divided(floats(pairs), scale), pairs), ok)
+    store(at(token_row, lane_bytes),
+          fp8_words(divided(_inline.bf16_floats(pairs), scale), pairs), ok)
     rope = rope_pairs()
     store(at(token_row, arith.addi(c64(512), arith.divui(rope_lane, c64(2)))),
-          fp8_words(divided(floats(rope), scale), rope), rope_lanes)
+          fp8_words(divided(_inline.bf16_floats(rope), scale), rope), rope_lanes)
     return
 
-  values = floats(pairs)
+  values = _inline.bf16_floats(pairs)
   if isinstance(fmt, V41Fp4):
     # A lane holds one 16-value tile. Its scale: e4m3 of float32(amax / 6), at least
     # code 1 (2**-9); amax takes an infinity as FLT_MAX; a NaN poisons the tile (scale

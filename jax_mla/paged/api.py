@@ -139,9 +139,10 @@ def paged_attention(
     checks: also check values (eager raise; under ``jax.jit`` wrap the call in
       ``checkify.checkify``): ``0 <= seq_lens <= max_blocks * block_size`` and the
       block ids each sequence uses inside ``[0, nb)``.
-    implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper: bf16/fp16 caches in vLLM's
-      layout, head sizes a multiple of 32 up to 256, blocks a multiple of 16, up to 16
-      query heads per KV head; :func:`jax_mla.paged.mosaic.check_supported`),
+    implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper: caches in vLLM's layout,
+      bf16/fp16 with head sizes a multiple of 32 or fp8 with a multiple of 64, up to
+      256, blocks a multiple of 16, up to 16 query heads per KV head; see
+      :func:`jax_mla.paged.mosaic.check_supported`),
       ``"triton"`` (old name ``"pallas"``) or ``"xla"`` (the reference). ``None``:
       Mosaic GPU on Hopper where it takes the inputs, else Triton on a GPU, else the
       reference.

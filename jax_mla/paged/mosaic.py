@@ -6,17 +6,21 @@ group of a KV head does about 8 flops per cache byte, so the kernel is built aro
 the loads, not the tensor-core tiles:
 
 - One warp per (sequence, KV head, KV split); four warps per CTA, independent.
-- vLLM's key block ``[D / 8][bs][8]`` is read as it lies: a 16-token step is two
-  ``mma.sync.m16n8k16`` B operands per 16 head dims whose lanes load 16 bytes each
-  (a lane's 8 head dims feed two k-steps of the mma; the query's A operand is
-  loaded in the same order, so the dot products are unchanged), and the value block
-  ``[D][bs]`` gives each lane 4 consecutive tokens of one head dim (8 bytes). Every
+- vLLM's key block ``[D / x][bs][x]`` (16-byte runs) is read as it lies: a 16-token
+  step is two ``mma.sync.m16n8k16`` B operands whose lanes load 16-byte runs (a run
+  feeds 2 k-steps of the mma, 4 for fp8; the query's A operand is loaded in the same
+  order, so the dot products are unchanged), and the value block ``[D][bs]`` gives
+  each lane 4 consecutive tokens of one head dim (8 bytes, 4 for fp8). Every
   32-byte sector a warp touches is read whole, with no shared-memory staging.
+- fp8 caches (e4m3, e5m2; vLLM's key runs of 16) are widened exactly to fp16 in
+  registers (``cvt.rn.f16x2``) and the mma runs in fp16; the query is rounded to fp16
+  once (bf16 and float32 queries; magnitudes past 65504 saturate there), ``k_scale``
+  is folded into the score scale and ``v_scale`` into the epilogue.
 - ``S = Q K^T`` has the group's heads on the mma's 16 rows (a group of up to 16;
   padding rows are zero) and 8 tokens on its columns; the tokens are placed so that
   each lane's four scores are the four tokens its value load holds, and ``P`` goes
   from the accumulator to the ``P V`` A operand in registers.
-- The online softmax of :mod:`jax_mla._softmax` in base 2 (row maxima over the 4
+- The online softmax in base 2 (as :mod:`jax_mla._softmax` describes it) (row maxima over the 4
   lanes of a row by shuffles; row sums per lane until the end). Scores of slots past
   ``seq_len``, outside the window or in a block with an out-of-range id are ``-inf``
   and their value words are zeroed before the mma (they may hold NaN), and an
@@ -65,29 +69,37 @@ class Config:
 
 
 def check_supported(query, key_cache, value_cache) -> None:
-  """Raises ``ValueError`` for what the kernel does not take (the Triton kernel does):
-  it takes bf16 or fp16 queries and caches of the same dtype in vLLM's layout (key
-  ``[nb, Hkv, D // 8, bs, 8]``, value ``[nb, Hkv, D, bs]``), a head size ``D`` that is a
-  multiple of 32 up to 256, blocks of a multiple of 16 tokens and up to 16 query heads
-  per KV head."""
-  dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  if jnp.dtype(query.dtype) not in dtypes or key_cache.dtype != query.dtype:
-    raise ValueError(f"the Mosaic GPU paged-attention kernel takes bf16 or fp16 queries and "
-                     f"caches of the same dtype; got {query.dtype} and {key_cache.dtype} (use "
-                     "implementation='triton')")
-  if key_cache.ndim != 5 or key_cache.shape[4] != 8:
+  """Raises ``ValueError`` for what the kernel does not take (the Triton kernel does).
+
+  It takes caches in vLLM's layout (key ``[nb, Hkv, D // x, bs, x]`` with 16-byte runs
+  ``x``, value ``[nb, Hkv, D, bs]``): bf16 or fp16 caches with queries of the same
+  dtype and head sizes a multiple of 32, or fp8 (e4m3 / e5m2) caches with bf16, fp16
+  or float32 queries and head sizes a multiple of 64; head sizes up to 256, blocks of
+  a multiple of 16 tokens and up to 16 query heads per KV head.
+  """
+  q_dtype, kv_dtype = jnp.dtype(query.dtype), jnp.dtype(key_cache.dtype)
+  fp8 = kv_dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+  if not (fp8 and q_dtype.name in ("bfloat16", "float16", "float32")
+          or kv_dtype == q_dtype and q_dtype.name in ("bfloat16", "float16")):
+    raise ValueError(f"the Mosaic GPU paged-attention kernel takes bf16 or fp16 caches with "
+                     f"queries of the same dtype, or fp8 caches; got {q_dtype} queries and "
+                     f"{kv_dtype} caches (use implementation='triton')")
+  if key_cache.ndim != 5 or key_cache.shape[4] * kv_dtype.itemsize != 16:
     raise ValueError(f"the Mosaic GPU paged-attention kernel reads vLLM's key layout [nb, Hkv, "
-                     f"D // 8, bs, 8]; got {list(key_cache.shape)} (use implementation='triton')")
+                     f"D // x, bs, x] (x = {16 // kv_dtype.itemsize}); got "
+                     f"{list(key_cache.shape)} (use implementation='triton')")
   _, hkv, _, block_size, _ = key_cache.shape
   head_dim = query.shape[2]
   if tuple(value_cache.shape[2:]) != (head_dim, block_size):
     raise ValueError(f"the Mosaic GPU paged-attention kernel reads vLLM's value layout [nb, "
                      f"Hkv, {head_dim}, {block_size}]; got {list(value_cache.shape)} (use "
                      "implementation='triton')")
-  if head_dim % 32 or head_dim > 256 or block_size % STEP:
+  multiple = 64 if fp8 else 32
+  if head_dim % multiple or head_dim > 256 or block_size % STEP:
     raise ValueError(f"the Mosaic GPU paged-attention kernel takes head sizes that are a "
-                     f"multiple of 32 up to 256 and blocks of a multiple of {STEP} tokens; got "
-                     f"{head_dim} and {block_size} (use implementation='triton')")
+                     f"multiple of {multiple} up to 256 ({kv_dtype} caches) and blocks of a "
+                     f"multiple of {STEP} tokens; got {head_dim} and {block_size} (use "
+                     "implementation='triton')")
   if query.shape[1] // hkv > MAX_GROUP:
     raise ValueError(f"the Mosaic GPU paged-attention kernel takes up to {MAX_GROUP} query heads "
                      f"per KV head; got {query.shape[1] // hkv} (use implementation='triton')")
@@ -139,7 +151,8 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
       _attend, group=group, head_dim=head_dim, block_size=block_size, num_kv_heads=hkv,
       num_seqs=num_seqs, splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
       sliding_window=sliding_window, has_alibi=alibi_slopes is not None,
-      fp16=query.dtype == jnp.float16))
+      q_dtype=_DTYPE_NAMES[jnp.dtype(query.dtype)],
+      cache_dtype=_DTYPE_NAMES[jnp.dtype(key_view_.data.dtype)]))
   out_part, lse_part = pl.kernel(
       body, name="paged_attention",
       out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hq, head_dim), jnp.float32),
@@ -151,7 +164,7 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
 
 def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
             head_dim, block_size, num_kv_heads, num_seqs, splits, max_blocks, num_blocks,
-            sliding_window, has_alibi, fp16):
+            sliding_window, has_alibi, q_dtype, cache_dtype):
   """One warp's (sequence, KV head, split): see the module. Lane ``(r, c) = (lane // 4,
   lane % 4)`` holds the scores of heads ``r`` and ``r + 8`` for the step's tokens ``4c ..
   4c + 3`` and the outputs of those heads at head dims ``8n + 2c, 8n + 2c + 1``."""
@@ -165,9 +178,12 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   c64 = functools.partial(const, bits=64)
   lt = functools.partial(arith.cmpi, arith.CmpIPredicate.slt)
   two_halves = group > 8  # heads r + 8 exist: the mma's rows 8..15 carry data
-  dtype = "f16" if fp16 else "bf16"
-  d_chunks = head_dim // 8  # 16-byte key runs of a token
-  head_bytes = head_dim * block_size * 2  # one block of one KV head, for K and for V
+  fp8 = cache_dtype in _FP8
+  dtype = "f16" if fp8 else cache_dtype  # of the mma's operands
+  size = 1 if fp8 else 2  # bytes of a cache element
+  run = 16 // size  # head dims of a 16-byte key run
+  d_chunks = head_dim // 8  # 8-dim column tiles of the P V mma
+  head_bytes = head_dim * block_size * size  # one block of one KV head, for K and for V
   neg_inf = fconst(float("-inf"))
 
   lane, warp = _inline.lane_and_warp()
@@ -206,14 +222,28 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   q_base = _inline.global_ptr(q_ref)
   zero = const(0)
 
-  def query_words(x):  # lane c's 16-byte runs of head x: head dims 8 (4j + c) .. + 7
+  def pairs_of(words):  # cache words -> b32 pairs of the mma dtype, in order
+    return [p for w in words for p in _fp8_pairs(w, cache_dtype)] if fp8 else list(words)
+
+  q_size = _ITEMSIZE[q_dtype]
+
+  def query_words(x):
+    """Head x's pairs in the key runs' order: lane c's runs 4j + c, head dims run (4j
+    + c) .. + run - 1."""
     rows = arith.addi(arith.muli(arith.addi(arith.muli(row, const(num_kv_heads)), h),
                                  const(group)), heads[x])
     words = []
-    for j in range(d_chunks // 4):
-      d = arith.muli(arith.addi(const(4 * j), c), const(8))
-      ptr = at(q_base, arith.muli(wide(arith.addi(arith.muli(rows, const(head_dim)), d)), c64(2)))
-      words += [arith.select(head_ok[x], w, zero) for w in _inline.load_words(ptr, 4)]
+    for j in range(head_dim // (4 * run)):
+      d = arith.muli(arith.addi(const(4 * j), c), const(run))
+      ptr = at(q_base, arith.muli(wide(arith.addi(arith.muli(rows, const(head_dim)), d)),
+                                  c64(q_size)))
+      raw = [w for k in range(run * q_size // 16)
+             for w in _inline.load_words(at(ptr, c64(16 * k)), 4)]
+      if q_dtype != dtype:  # to fp16 for the fp8 caches' mma, saturated at +-65504
+        values = _floats(raw, q_dtype)
+        raw = [_pack(*(_clamp(v, 65504.0) for v in values[k:k + 2]), "f16")
+               for k in range(0, len(values), 2)]
+      words += [arith.select(head_ok[x], w, zero) for w in raw]
     return words
 
   qa = query_words(0)
@@ -243,8 +273,8 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   k_lane = wide(arith.addi(arith.muli(arith.muli(c, const(block_size)), const(16)),
                            arith.muli(k_token, const(16))))
   # Lane (r, c)'s value words: head dim 8n + r, tokens 4c .. 4c + 3.
-  v_lane = wide(arith.addi(arith.muli(arith.muli(r, const(block_size)), const(2)),
-                           arith.muli(c, const(8))))
+  v_lane = wide(arith.addi(arith.muli(arith.muli(r, const(block_size)), const(size)),
+                           arith.muli(c, const(4 * size))))
   tokens = [arith.addi(arith.muli(c, const(4)), const(i)) for i in range(4)]
 
   per = 4 if two_halves else 2  # accumulator fields a lane keeps per 8 head dims
@@ -265,14 +295,16 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     key_at = at(k_base, arith.addi(arith.muli(block, c64(head_bytes)),
                                    arith.addi(arith.muli(offset, c64(16)), k_lane)))
     value_at = at(v_base, arith.addi(arith.muli(block, c64(head_bytes)),
-                                     arith.addi(arith.muli(offset, c64(2)), v_lane)))
+                                     arith.addi(arith.muli(offset, c64(size)), v_lane)))
     hint = ".L1::no_allocate"
-    keys = [[w for j in range(d_chunks // 4)
+    keys = [[w for j in range(head_dim // (4 * run))
              for w in _inline.load_words(at(key_at, c64(j * 4 * block_size * 16 + t * 32)), 4,
                                          hint)]
             for t in range(2)]
-    values = [_inline.load_words(at(value_at, c64(n * 8 * block_size * 2)), 2, hint)
+    values = [_inline.load_words(at(value_at, c64(n * 8 * block_size * size)), size, hint)
               for n in range(d_chunks)]
+    keys = [pairs_of(words) for words in keys]
+    values = [pairs_of(words) for words in values]
 
     scores = []
     for t in range(2):
@@ -353,6 +385,36 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     first_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, c, zero))
     _inline.store_words(at(lse_base, arith.muli(wide(out_row), c64(4))),
                         [arith.bitcast(i32, lse)], arith.andi(ok, first_lane))
+
+
+_FP8 = ("e4m3", "e5m2")
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
+# The kernel's names of the dtypes it reads (PTX's).
+_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16",
+                jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float8_e4m3fn): "e4m3",
+                jnp.dtype(jnp.float8_e5m2): "e5m2"}
+
+
+def _fp8_pairs(word, fp8: str):
+  """Four fp8 bytes (``e4m3`` or ``e5m2``) -> two b32 words of fp16 pairs, exactly."""
+  i32 = _inline.int_type()
+  out = asm(_inline.struct("i32", "i32"),
+            f"{{.reg .b16 lo, hi; mov.b32 {{lo, hi}}, $2; cvt.rn.f16x2.{fp8}x2 $0, lo; "
+            f"cvt.rn.f16x2.{fp8}x2 $1, hi;}}", "=r,=r,r", word)
+  return _inline.fields(out, i32, 2)
+
+
+def _floats(words, dtype: str):
+  """b32 words of ``bf16`` pairs or of ``f32`` values -> float32 values, in order."""
+  if dtype == "bf16":
+    return _inline.bf16_floats(words)
+  from jax._src.lib.mlir.dialects import arith
+  return [arith.bitcast(_inline.f32_type(), w) for w in words]
+
+
+def _clamp(x, bound: float):
+  return asm(_inline.f32_type(), "{.reg .f32 t; max.f32 t, $1, $2; min.f32 $0, t, $3;}",
+             "=f,f,f,f", x, fconst(-bound), fconst(bound))
 
 
 def _exp2(x):
