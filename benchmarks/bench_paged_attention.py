@@ -1,4 +1,7 @@
-"""Benchmark paged_attention (Triton kernel) on the seed anchor rows; checks it first.
+"""Benchmark paged_attention on the seed anchor rows; checks it first.
+
+The op runs with the library's defaults (the Mosaic GPU kernel on Hopper, Triton on
+other GPUs) or the backend ``--implementation`` names.
 
 Rows: 128 seqs, Hq 64, Hkv 8, D 128, block 16, len 4096 (vLLM 5-D K cache and
 [nb, Hkv, D, bs] V cache), bf16 / fp8 K+V / sinks + sliding window 1024, plus a
@@ -9,6 +12,7 @@ half of that), against device-to-device copy (3.0 TB/s on the H100). The seed ti
 (``seed_us``) are the 2026-11-22 anchors (benchmarks/RESULTS.md, "Anchors").
 
   PYTHONPATH=$PWD python3 -m benchmarks.bench_paged_attention [--sweep] [--side-by-side]
+      [--implementation mosaic|triton]
 
 Where torch's Triton runs on the GPU, every row is also timed side by side with the
 seed kernel itself (:mod:`benchmarks.seed_paged_peer`: same process, same arrays, same
@@ -89,11 +93,12 @@ WORKLOADS = [
 ]
 
 
-def public_fn(w: Workload, config: Config | None = None):
+def public_fn(w: Workload, config: Config | None = None, implementation: str | None = None):
   def f(q, kc, vc, bt, sl, sinks):
     return paged_attention(q, kc, vc, bt, sl, scale=q.shape[-1] ** -0.5, k_scale=w.k_scale,
                            v_scale=w.k_scale, sinks=sinks if w.sinks else None,
-                           sliding_window=w.window, config=config)
+                           sliding_window=w.window, config=config,
+                           implementation=implementation)
   return f
 
 
@@ -105,7 +110,8 @@ def reference(w: Workload, args, n=4):
                          sliding_window=w.window, implementation="xla")
 
 
-def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> Iterator[Row]:
+def run(workloads=WORKLOADS, *, only_side_by_side: bool = False,
+        implementation: str | None = None) -> Iterator[Row]:
   """Each workload through the public op, checked on its first sequences, then timed:
   one row against the seed Triton time, one against copy bandwidth. Where torch's Triton
   runs the seed kernel (:mod:`benchmarks.seed_paged_peer`), each row is also timed side
@@ -117,7 +123,7 @@ def run(workloads=WORKLOADS, *, only_side_by_side: bool = False) -> Iterator[Row
     raise RuntimeError("side by side needs a CUDA torch with Triton")
   for w in workloads:
     args = make_inputs(w.num_seqs, w.seq_len, fp8=w.fp8)
-    fn = public_fn(w)
+    fn = public_fn(w, implementation=implementation)
     ref = reference(w, args)
     check_close(f"paged_attention {w.name}", jax.jit(fn)(*args)[:ref.shape[0]], ref)
     config = f"{w.name}: {w.num_seqs} seqs x {w.seq_len}"
@@ -154,7 +160,7 @@ def sweep(workloads=WORKLOADS[:3]):
     kv_bytes = w.kv_bytes(args[1].dtype.itemsize)
     for cfg in configs:
       try:
-        fn = public_fn(w, cfg)
+        fn = public_fn(w, cfg, implementation="triton")
         err = check_close(f"{w.name} {cfg}", jax.jit(fn)(*args)[:ref.shape[0]], ref)
         us = time_us(fn, sets)
       except Exception as e:  # keep sweeping past a config that fails (or is wrong)
@@ -172,6 +178,8 @@ def main():
   ap.add_argument("--side-by-side", action="store_true",
                   help="only the rows timed beside the seed kernel (benchmarks/seed_paged_peer.py)")
   ap.add_argument("--rows", default="", help="comma-separated workload names (default: all)")
+  ap.add_argument("--implementation", choices=("mosaic", "triton"), default=None,
+                  help="the backend to time (default: the library's choice)")
   a = ap.parse_args()
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}, cores {getattr(dev, 'core_count', '?')}, "
@@ -180,7 +188,7 @@ def main():
     sweep()
   names = [n for n in a.rows.split(",") if n]
   print_table(list(run([w for w in WORKLOADS if not names or w.name in names],
-                       only_side_by_side=a.side_by_side)))
+                       only_side_by_side=a.side_by_side, implementation=a.implementation)))
 
 
 if __name__ == "__main__":

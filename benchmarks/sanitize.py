@@ -29,6 +29,7 @@ from jax_mla.cache import (
 )
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.dense_prefill import mla_prefill
+from jax_mla.paged import paged_attention
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
 
 BAD = np.asarray([-1, -2**31, 2**31 - 1, -123456])
@@ -166,6 +167,35 @@ def cache_write(impl):
                                implementation=impl)
 
 
+def paged(impl):
+  """bf16 and fp8 caches, 8 and 12 heads a KV head, 2 splits; block ids of every bad
+  kind past and inside the sequences; NaN in every slot no sequence owns; a sequence
+  of 0 tokens and one ending mid-step."""
+  rng = np.random.default_rng(5)
+  bs, hkv, d = 16, 2, 64
+  lens = np.asarray([0, 1, 37, 70, 129], np.int32)
+  max_blocks = 10
+  nb = lens.size * max_blocks + 2
+  bt = rng.permutation(nb)[: lens.size * max_blocks].reshape(lens.size, max_blocks)
+  for i, n in enumerate(lens):
+    bt[i, -(-n // bs):] = BAD[np.arange(max_blocks - (-(-n // bs))) % BAD.size]
+  bt[3, 1] = -1  # inside sequence 3
+  k = np.full((nb, hkv, bs, d), np.nan, np.float32)
+  v = np.full((nb, hkv, bs, d), np.nan, np.float32)
+  for i, n in enumerate(lens):
+    for t in range(n):
+      blk = bt[i, t // bs]
+      if 0 <= blk < nb:
+        k[blk, :, t % bs], v[blk, :, t % bs] = rng.standard_normal((2, hkv, d))
+  for dtype, group in ((jnp.bfloat16, 8), (jnp.float8_e4m3fn, 12)):
+    x = 16 // jnp.dtype(dtype).itemsize
+    kc = jnp.asarray(k.reshape(nb, hkv, bs, d // x, x).transpose(0, 1, 3, 2, 4), dtype)
+    vc = jnp.asarray(v.transpose(0, 1, 3, 2), dtype)
+    q = jnp.asarray(rng.standard_normal((lens.size, hkv * group, d)), jnp.bfloat16)
+    yield paged_attention(q, kc, vc, jnp.asarray(bt.astype(np.int32)), jnp.asarray(lens),
+                          scale=0.125, num_kv_splits=2, implementation=impl)
+
+
 KERNELS = {
     "sparse_prefill_triton": (sparse_prefill, "triton"),
     "sparse_prefill_mosaic": (sparse_prefill, "mosaic"),
@@ -176,6 +206,8 @@ KERNELS = {
     "dense_prefill_triton": (dense_prefill, "triton"),
     "cache_write_mosaic": (cache_write, "mosaic"),
     "cache_write_triton": (cache_write, "triton"),
+    "paged_mosaic": (paged, "mosaic"),
+    "paged_triton": (paged, "triton"),
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import rel_err
 
 from jax_mla._common import FP8_E4M3_MAX
-from jax_mla.paged import paged_attention
+from jax_mla.paged import mosaic, paged_attention
 from jax_mla.paged.triton import Config, default_num_kv_splits
 
 FP8 = jnp.float8_e4m3fn
@@ -386,12 +386,18 @@ MOSAIC_CASES = {
                 dict(num_kv_splits=3)),
     "splits_past_steps": (dict(seed=27, seq_lens=[20, 5], hq=8, hkv=2, d=32),
                           dict(num_kv_splits=8)),
+    # Steps loaded ahead in twos and fours; a split's last iteration runs past its steps.
+    "unroll2": (dict(seed=26, seq_lens=[100, 47, 700], hq=8, hkv=1, d=64, bs=48, sinks=True),
+                dict(config=mosaic.Config(num_splits=3, unroll=2))),
+    "unroll4_window": (dict(seed=33, seq_lens=[200, 40, 3], hq=4, hkv=2, d=128, window=65,
+                            alibi=True), dict(config=mosaic.Config(num_splits=2, unroll=4))),
     # fp8 caches (head sizes a multiple of 64): widened to fp16 for the mma, the query too.
     "fp8_kv": (dict(seed=28, seq_lens=SEQ_LENS, d=64, fp8_kv=True), {}),
     "fp8_all": (dict(seed=29, seq_lens=SEQ_LENS, hq=6, hkv=2, d=64, alibi=True, sinks=True,
                      window=33, fp8_kv=True, out_scale=0.02, query_lens=[1, 1, 2, 1]), {}),
     "fp8_e5m2_group16": (dict(seed=30, seq_lens=[3, 77, 16], hq=32, hkv=2, d=128, fp8_kv=True,
-                              fp8_dtype=jnp.float8_e5m2), dict(num_kv_splits=2)),
+                              fp8_dtype=jnp.float8_e5m2),
+                         dict(config=mosaic.Config(num_splits=2, unroll=2))),
     "fp8_f16_query": (dict(seed=31, seq_lens=[40, 1], hq=8, hkv=1, d=192, fp8_kv=True,
                            dtype=jnp.float16), {}),
     "fp8_f32_query": (dict(seed=32, seq_lens=[40, 1], hq=4, hkv=2, d=64, bs=32, fp8_kv=True,
@@ -403,7 +409,6 @@ MOSAIC_CASES = {
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
 def test_gpu_mosaic_matches_reference(name):
   from jax_mla import _mosaic
-  from jax_mla.paged import mosaic
 
   case_kw, kernel_kw = MOSAIC_CASES[name]
   case = make_case(**case_kw)
@@ -438,7 +443,6 @@ def test_gpu_mosaic_invalid_block_ids_are_masked():
 def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype, kv_dtype):
   from helpers import lowers_for_cuda
 
-  from jax_mla.paged import mosaic
   from jax_mla.paged.layout import key_view, value_view
 
   hkv, sds = 2, jax.ShapeDtypeStruct
@@ -461,7 +465,6 @@ def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype, kv_dtype):
 
 @pytest.mark.cpu_only
 def test_mosaic_refuses_what_it_does_not_take():
-  from jax_mla.paged import mosaic
 
   def check(q_shape, k_shape, v_shape, dtype=jnp.bfloat16, k_dtype=None):
     mosaic.check_supported(jnp.zeros(q_shape, dtype), jnp.zeros(k_shape, k_dtype or dtype),
