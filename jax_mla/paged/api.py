@@ -210,11 +210,11 @@ def paged_attention(
       mosaic.check_supported, query, key_cache, value_cache):
     impl = "mosaic"
   max_tokens = block_tables.shape[1] * block_size
+  itemsize = jnp.dtype(key_cache.dtype).itemsize
   config = backend_config(impl, config, mosaic=(mosaic.Config, functools.partial(
       mosaic.with_defaults, num_kv_splits=num_kv_splits, num_seqs=num_seqs, num_kv_heads=hkv,
-      max_tokens=max_tokens)), triton=(triton.Config, functools.partial(
-      triton.with_defaults, num_kv_splits=num_kv_splits,
-      fp8_cache=jnp.dtype(key_cache.dtype).itemsize == 1, head_dim=head_dim,
+      max_tokens=max_tokens, cache_itemsize=itemsize)), triton=(triton.Config, functools.partial(
+      triton.with_defaults, num_kv_splits=num_kv_splits, fp8_cache=itemsize == 1, head_dim=head_dim,
       num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=max_tokens, interpret=interpret)))
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,

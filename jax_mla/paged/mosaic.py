@@ -49,8 +49,13 @@ from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
 WARPS = 4  # work items per CTA, one warp each
 STEP = 16  # tokens per step: the k side of the P V mma
 MAX_GROUP = 16  # query heads per KV head: the mma's 16 rows
-# Warps resident per SM the default splits aim for, and the fewest steps a split keeps.
-_TARGET_WARPS_PER_SM = 16
+# The default splits keep the warps within about one wave: at most this many a SM (fp8
+# warps hold half the registers, so more of them are resident), each split with at
+# least _MIN_SPLIT_STEPS steps. H100, 128 sequences x 4096 (1024 warps unsplit), 1 / 2 / 4
+# splits: bf16 736.3 / 747.1 / 750.6 us, sinks + window 208.3 / 215.2 / 225.8 us, fp8
+# 441.1 / 462.5 / 417.4 us; 4 sequences x 65536 (32 warps), 16 / 32 / 64 / 128 splits:
+# 428.5 / 391.5 / 402.9 / 431.0 us.
+_WAVE_WARPS_PER_SM = {1: 32, 2: 8}
 _MIN_SPLIT_STEPS = 8
 
 
@@ -112,22 +117,23 @@ def check_supported(query, key_cache, value_cache) -> None:
                      f"per KV head; got {query.shape[1] // hkv} (use implementation='triton')")
 
 
-def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int,
-                          num_cores: int) -> int:
-  """Splits so that about ``_TARGET_WARPS_PER_SM`` warps run per SM, each with at least
-  ``_MIN_SPLIT_STEPS`` 16-token steps."""
+def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int, num_cores: int,
+                          cache_itemsize: int) -> int:
+  """The most splits (a power of two) whose warps stay within ``_WAVE_WARPS_PER_SM`` a
+  core, each with at least ``_MIN_SPLIT_STEPS`` 16-token steps; at least 1."""
+  limit = _WAVE_WARPS_PER_SM[cache_itemsize] * num_cores
   splits = 1
-  while (num_seqs * num_kv_heads * splits < _TARGET_WARPS_PER_SM * num_cores
+  while (num_seqs * num_kv_heads * splits * 2 <= limit
          and max_steps // (2 * splits) >= _MIN_SPLIT_STEPS):
     splits *= 2
   return splits
 
 
 def with_defaults(config: Config | None, *, num_kv_splits: int | None, num_seqs: int,
-                  num_kv_heads: int, max_tokens: int) -> Config:
+                  num_kv_heads: int, max_tokens: int, cache_itemsize: int) -> Config:
   """``config`` (``None``: the default) with ``num_splits`` set (as the Triton kernel's)."""
   return with_num_splits(config or Config(), num_kv_splits, lambda: default_num_kv_splits(
-      num_seqs, num_kv_heads, cdiv(max_tokens, STEP), num_sms()))
+      num_seqs, num_kv_heads, cdiv(max_tokens, STEP), num_sms(), cache_itemsize))
 
 
 def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, block_table,
