@@ -465,12 +465,14 @@ def test_mosaic_kernel_lowers_for_cuda(group, d, bs, dtype, kv_dtype):
 
 @pytest.mark.cpu_only
 def test_mosaic_default_num_kv_splits():
-  # 128 sequences x 8 KV heads fill an H100's 132 SMs at 8 bf16 warps a SM, 4 fp8 splits.
-  assert mosaic.default_num_kv_splits(128, 8, 256, 132, 2) == 1
-  assert mosaic.default_num_kv_splits(128, 8, 256, 132, 1) == 4
+  # H100 (132 SMs): 2 bf16 CTAs or 3 fp8 CTAs resident a SM, 4 warps each.
+  assert mosaic.default_num_kv_splits(128, 8, 256, 132, 2) == 1  # 256 CTAs: 0.97 waves
+  assert mosaic.default_num_kv_splits(128, 8, 256, 132, 1) == 3  # 768 CTAs: 1.94 waves
   assert mosaic.default_num_kv_splits(4, 8, 4096, 132, 2) == 32
+  assert mosaic.default_num_kv_splits(4, 8, 4096, 132, 1) == 48
   assert mosaic.default_num_kv_splits(1, 1, 20, 132, 2) == 2  # splits keep 8 steps
   assert mosaic.default_num_kv_splits(1, 1, 4, 132, 2) == 1
+  assert mosaic.default_num_kv_splits(4096, 8, 256, 132, 2) == 1  # 31 waves
 
 
 @pytest.mark.cpu_only

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +50,10 @@ from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
 WARPS = 4  # work items per CTA, one warp each
 STEP = 16  # tokens per step: the k side of the P V mma
 MAX_GROUP = 16  # query heads per KV head: the mma's 16 rows
-# The default splits keep the warps within about one wave: at most this many a SM (fp8
-# warps hold half the registers, so more of them are resident), each split with at
-# least _MIN_SPLIT_STEPS steps. H100, 128 sequences x 4096 (1024 warps unsplit), 1 / 2 / 4
-# splits: bf16 736.3 / 747.1 / 750.6 us, sinks + window 208.3 / 215.2 / 225.8 us, fp8
-# 441.1 / 462.5 / 417.4 us; 4 sequences x 65536 (32 warps), 16 / 32 / 64 / 128 splits:
-# 428.5 / 391.5 / 402.9 / 431.0 us.
-_WAVE_WARPS_PER_SM = {1: 32, 2: 8}
-_MIN_SPLIT_STEPS = 8
+# CTAs resident per SM by cache element size (H100, D 128, 8 query heads a KV head,
+# unroll 2: 180 registers a thread for bf16 and 154 for fp8), for the default splits.
+_CTAS_PER_SM = {2: 2, 1: 3}
+_MIN_SPLIT_STEPS = 8  # 16-token steps a split keeps at least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +116,28 @@ def check_supported(query, key_cache, value_cache) -> None:
 
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int, num_cores: int,
                           cache_itemsize: int) -> int:
-  """The most splits (a power of two) whose warps stay within ``_WAVE_WARPS_PER_SM`` a
-  core, each with at least ``_MIN_SPLIT_STEPS`` 16-token steps; at least 1."""
-  limit = _WAVE_WARPS_PER_SM[cache_itemsize] * num_cores
-  splits = 1
-  while (num_seqs * num_kv_heads * splits * 2 <= limit
-         and max_steps // (2 * splits) >= _MIN_SPLIT_STEPS):
-    splits *= 2
-  return splits
+  """The fewest splits whose CTAs fill the resident CTA slots (``_CTAS_PER_SM`` a core)
+  to within 5% of a whole number of waves, each split keeping at least
+  ``_MIN_SPLIT_STEPS`` steps; failing that, the count that fills them best.
+
+  The warps are independent and equally long, so a partial last wave leaves slots idle
+  while the memory system waits for more requests. H100, 128 sequences x 4096 (256 CTAs
+  unsplit): bf16 1 / 2 / 4 splits 736.3 / 747.1 / 750.6 us (1: 0.97 waves); fp8 1 / 3 /
+  4 / 6 splits 426.3 / 401.9 / 415.7 / 412.5 us (3: 1.94 waves); 4 sequences x 65536 bf16
+  16 / 32 / 64 / 128 splits 428.5 / 391.5 / 402.9 / 431.0 us (32: 0.97 waves), fp8 32 /
+  48 / 64 / 128 226.1 / 226.7 / 250.5 / 236.9 us (48: 0.97 waves).
+  """
+  slots = num_cores * _CTAS_PER_SM[cache_itemsize]
+  items = num_seqs * num_kv_heads
+  best, best_fill = 1, 0.0
+  for splits in range(1, max(1, max_steps // _MIN_SPLIT_STEPS) + 1):
+    waves = items * splits / (WARPS * slots)
+    fill = waves / math.ceil(waves)
+    if fill >= 0.95:
+      return splits
+    if fill > best_fill:
+      best, best_fill = splits, fill
+  return best
 
 
 def with_defaults(config: Config | None, *, num_kv_splits: int | None, num_seqs: int,
