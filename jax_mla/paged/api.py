@@ -141,7 +141,7 @@ def paged_attention(
       block ids each sequence uses inside ``[0, nb)``.
     implementation: ``"mosaic"`` (Pallas Mosaic GPU, Hopper: caches in vLLM's layout,
       bf16/fp16 with head sizes a multiple of 32 or fp8 with a multiple of 64, up to
-      256, blocks a multiple of 16, up to 16 query heads per KV head; see
+      256, blocks a multiple of 16; see
       :func:`jax_mla.paged.mosaic.check_supported`),
       ``"triton"`` (old name ``"pallas"``) or ``"xla"`` (the reference). ``None``:
       Mosaic GPU on Hopper where it takes the inputs, else Triton on a GPU, else the
@@ -211,11 +211,15 @@ def paged_attention(
     impl = "mosaic"
   max_tokens = block_tables.shape[1] * block_size
   itemsize = jnp.dtype(key_cache.dtype).itemsize
-  config = backend_config(impl, config, mosaic=(mosaic.Config, functools.partial(
+  mosaic_defaults = functools.partial(
       mosaic.with_defaults, num_kv_splits=num_kv_splits, num_seqs=num_seqs, num_kv_heads=hkv,
-      max_tokens=max_tokens, cache_itemsize=itemsize)), triton=(triton.Config, functools.partial(
-      triton.with_defaults, num_kv_splits=num_kv_splits, fp8_cache=itemsize == 1, head_dim=head_dim,
-      num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=max_tokens, interpret=interpret)))
+      group=hq // hkv, max_tokens=max_tokens, cache_itemsize=itemsize)
+  triton_defaults = functools.partial(
+      triton.with_defaults, num_kv_splits=num_kv_splits, fp8_cache=itemsize == 1,
+      head_dim=head_dim, num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=max_tokens,
+      interpret=interpret)
+  config = backend_config(impl, config, mosaic=(mosaic.Config, mosaic_defaults),
+                          triton=(triton.Config, triton_defaults))
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,

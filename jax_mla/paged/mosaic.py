@@ -5,7 +5,9 @@ The Mosaic GPU backend of :func:`jax_mla.paged.paged_attention` (``implementatio
 group of a KV head does about 8 flops per cache byte, so the kernel is built around
 the loads, not the tensor-core tiles:
 
-- One warp per (sequence, KV head, KV split); four warps per CTA, independent.
+- One warp per (sequence, KV head, block of 16 of its query heads, KV split); four
+  warps per CTA, independent. The head blocks of a group are adjacent warps, so L2
+  serves their shared reads once.
 - vLLM's key block ``[D / x][bs][x]`` (16-byte runs) is read as it lies: a 16-token
   step is two ``mma.sync.m16n8k16`` B operands whose lanes load 16-byte runs (a run
   feeds 2 k-steps of the mma, 4 for fp8; the query's A operand is loaded in the same
@@ -16,12 +18,12 @@ the loads, not the tensor-core tiles:
   registers (``cvt.rn.f16x2``) and the mma runs in fp16; the query is rounded to fp16
   once (bf16 and float32 queries; magnitudes past 65504 saturate there), ``k_scale``
   is folded into the score scale and ``v_scale`` into the epilogue.
-- ``S = Q K^T`` has the group's heads on the mma's 16 rows (a group of up to 16;
-  padding rows are zero) and 8 tokens on its columns; the tokens are placed so that
+- ``S = Q K^T`` has the warp's heads on the mma's 16 rows (padding rows are zero) and
+  8 tokens on its columns; the tokens are placed so that
   each lane's four scores are the four tokens its value load holds, and ``P`` goes
   from the accumulator to the ``P V`` A operand in registers.
-- The online softmax in base 2 (as :mod:`jax_mla._softmax` describes it) (row maxima over the 4
-  lanes of a row by shuffles; row sums per lane until the end). Scores of slots past
+- The online softmax in base 2, as :mod:`jax_mla._softmax` describes it: row maxima
+  over the 4 lanes of a row by shuffles, row sums per lane until the end. Scores of slots past
   ``seq_len``, outside the window or in a block with an out-of-range id are ``-inf``
   and their value words are zeroed before the mma (they may hold NaN), and an
   out-of-range block id is never dereferenced.
@@ -49,7 +51,7 @@ from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
 
 WARPS = 4  # work items per CTA, one warp each
 STEP = 16  # tokens per step: the k side of the P V mma
-MAX_GROUP = 16  # query heads per KV head: the mma's 16 rows
+HEAD_BLOCK = 16  # query heads a warp takes: the mma's 16 rows
 # CTAs resident per SM by cache element size (H100, D 128, 8 query heads a KV head,
 # unroll 2: 180 registers a thread for bf16 and 154 for fp8), for the default splits.
 _CTAS_PER_SM = {2: 2, 1: 3}
@@ -83,8 +85,8 @@ def check_supported(query, key_cache, value_cache) -> None:
   It takes caches in vLLM's layout (key ``[nb, Hkv, D // x, bs, x]`` with 16-byte runs
   ``x``, value ``[nb, Hkv, D, bs]``): bf16 or fp16 caches with queries of the same
   dtype and head sizes a multiple of 32, or fp8 (e4m3 / e5m2) caches with bf16, fp16
-  or float32 queries and head sizes a multiple of 64; head sizes up to 256, blocks of
-  a multiple of 16 tokens and up to 16 query heads per KV head.
+  or float32 queries and head sizes a multiple of 64; head sizes up to 256 and blocks
+  of a multiple of 16 tokens. Any number of query heads per KV head.
   """
   q_dtype, kv_dtype = jnp.dtype(query.dtype), jnp.dtype(key_cache.dtype)
   fp8 = kv_dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -109,9 +111,6 @@ def check_supported(query, key_cache, value_cache) -> None:
                      f"multiple of {multiple} up to 256 ({kv_dtype} caches) and blocks of a "
                      f"multiple of {STEP} tokens; got {head_dim} and {block_size} (use "
                      "implementation='triton')")
-  if query.shape[1] // hkv > MAX_GROUP:
-    raise ValueError(f"the Mosaic GPU paged-attention kernel takes up to {MAX_GROUP} query heads "
-                     f"per KV head; got {query.shape[1] // hkv} (use implementation='triton')")
 
 
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int, num_cores: int,
@@ -141,10 +140,12 @@ def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int, num_
 
 
 def with_defaults(config: Config | None, *, num_kv_splits: int | None, num_seqs: int,
-                  num_kv_heads: int, max_tokens: int, cache_itemsize: int) -> Config:
-  """``config`` (``None``: the default) with ``num_splits`` set (as the Triton kernel's)."""
+                  num_kv_heads: int, group: int, max_tokens: int, cache_itemsize: int) -> Config:
+  """``config`` (``None``: the default) with ``num_splits`` set (as the Triton kernel's);
+  each KV head counts once per block of ``HEAD_BLOCK`` of its ``group`` query heads."""
   return with_num_splits(config or Config(), num_kv_splits, lambda: default_num_kv_splits(
-      num_seqs, num_kv_heads, cdiv(max_tokens, STEP), num_sms(), cache_itemsize))
+      num_seqs, num_kv_heads * cdiv(group, HEAD_BLOCK), cdiv(max_tokens, STEP), num_sms(),
+      cache_itemsize))
 
 
 def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, block_table,
@@ -158,6 +159,7 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
   num_seqs, max_blocks = block_table.shape
   splits = config.num_splits
   group = hq // hkv
+  head_blocks = cdiv(group, HEAD_BLOCK)
 
   query_row, lens = decode_rows(seq_lens, query_start_loc, t)
   if num_blocks == 0 or max_blocks == 0:  # nothing to read: every sequence is empty
@@ -170,9 +172,10 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
             value_view_.data.reshape(num_blocks, hkv, head_dim, block_size)]
   if alibi_slopes is not None:
     inputs.append(alibi_slopes.astype(jnp.float32) * LOG2E)
-  items = num_seqs * hkv * splits
+  items = num_seqs * hkv * head_blocks * splits
   body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(inputs) + 2))(functools.partial(
-      _attend, group=group, head_dim=head_dim, block_size=block_size, num_kv_heads=hkv,
+      _attend, group=group, head_blocks=head_blocks, head_dim=head_dim, block_size=block_size,
+      num_kv_heads=hkv,
       num_seqs=num_seqs, splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
       sliding_window=sliding_window, has_alibi=alibi_slopes is not None,
       q_dtype=_DTYPE_NAMES[jnp.dtype(query.dtype)],
@@ -187,6 +190,7 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
 
 
 def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
+            head_blocks,
             head_dim, block_size, num_kv_heads, num_seqs, splits, max_blocks, num_blocks,
             sliding_window, has_alibi, q_dtype, cache_dtype, unroll):
   """One warp's (sequence, KV head, split): see the module. Lane ``(r, c) = (lane // 4,
@@ -213,8 +217,13 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   lane, warp = _inline.lane_and_warp()
   r, c = arith.divui(lane, const(4)), arith.remui(lane, const(4))
   item = arith.addi(arith.muli(_inline.block_x(), const(WARPS)), warp)
-  live = lt(item, const(num_seqs * num_kv_heads * splits))
-  item = arith.minui(item, const(num_seqs * num_kv_heads * splits - 1))
+  items = num_seqs * num_kv_heads * head_blocks * splits
+  live = lt(item, const(items))
+  item = arith.minui(item, const(items - 1))
+  # The head blocks of one (sequence, KV head, split) are adjacent warps: they read the
+  # same blocks at about the same time, which L2 then serves once.
+  head_block = arith.remui(item, const(head_blocks))
+  item = arith.divui(item, const(head_blocks))
   split = arith.remui(item, const(splits))
   h = arith.remui(arith.divui(item, const(splits)), const(num_kv_heads))
   seq = arith.divui(item, const(splits * num_kv_heads))
@@ -239,8 +248,10 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   hi = arith.maxsi(hi, lo)
   qk_scale, v_scale = load_f32(scal_ref, const(0)), load_f32(scal_ref, const(1))
 
-  # The group's heads r and r + 8 (clamped inside the group; padding rows are zero).
-  heads = [r, arith.addi(r, const(8))]
+  # The heads r and r + 8 of the warp's block of the group (clamped inside the group;
+  # padding rows are zero).
+  heads = [arith.addi(arith.muli(head_block, const(HEAD_BLOCK)), arith.addi(r, const(8 * x)))
+           for x in range(2)]
   head_ok = [lt(x, const(group)) for x in heads]
   heads = [arith.minui(x, const(group - 1)) for x in heads]
   q_base = _inline.global_ptr(q_ref)
