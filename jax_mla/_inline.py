@@ -126,3 +126,64 @@ def block_x():
   """``blockIdx.x`` as i32."""
   from jax._src.lib.mlir.dialects import arith, gpu
   return arith.index_cast(int_type(), gpu.block_id(gpu.Dimension.x))
+
+
+def exp2(x):
+  """``2**x`` (``ex2.approx.ftz``; ``-inf`` gives 0)."""
+  return asm(f32_type(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", x)
+
+
+def log2(x):
+  return asm(f32_type(), "lg2.approx.f32 $0, $1;", "=f,f", x)
+
+
+def clamp(x, bound: float):
+  """``x`` clamped to ``[-bound, bound]`` (float32)."""
+  return asm(f32_type(), "{.reg .f32 t; max.f32 t, $1, $2; min.f32 $0, t, $3;}",
+             "=f,f,f,f", x, fconst(-bound), fconst(bound))
+
+
+def pack(lo, hi, dtype: str):
+  """Two float32 values rounded into one b32 word of ``dtype`` (``bf16`` or ``f16``)
+  pairs, ``lo`` in the low half."""
+  return asm(int_type(), f"cvt.rn.{dtype}x2.f32 $0, $1, $2;", "=r,f,f", hi, lo)
+
+
+def fp8_pairs(word, fp8: str):
+  """Four fp8 bytes (``e4m3`` or ``e5m2``) -> two b32 words of fp16 pairs, exactly."""
+  out = asm(struct("i32", "i32"),
+            f"{{.reg .b16 lo, hi; mov.b32 {{lo, hi}}, $2; cvt.rn.f16x2.{fp8}x2 $0, lo; "
+            f"cvt.rn.f16x2.{fp8}x2 $1, hi;}}", "=r,=r,r", word)
+  return fields(out, int_type(), 2)
+
+
+def mma_16816(acc, a, b, *, dtype: str):
+  """``mma.sync.m16n8k16`` with float32 accumulation: ``acc`` (4 float32), ``a`` (4 b32
+  words of ``dtype`` pairs, row-major), ``b`` (2 words, column-major); PTX's fragment
+  layouts. Returns the 4 new accumulator values."""
+  out = asm(struct("f32", "f32", "f32", "f32"),
+            f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", *a, *b, *acc)
+  return fields(out, f32_type(), 4)
+
+
+def softmax_step(s, m, l):
+  """One step of the online softmax (base 2) of the ``mma.sync`` kernels for a row whose
+  scores sit four to a lane across the row's four lanes (``s``: this lane's 4, masked
+  ones ``-inf``): ``(m, l, alpha, p)``. ``m`` is the row's running max (the same in its
+  four lanes), ``l`` this lane's part of the running sum (summed over the lanes at the
+  end); a row with no key yet keeps ``m = -inf`` and takes exponents against 0."""
+  from jax._src.lib.mlir.dialects import arith
+  f32 = f32_type()
+  neg_inf = fconst(float("-inf"))
+  top = fmax(fmax(s[0], s[1]), fmax(s[2], s[3]))
+  for mask in (1, 2):  # the row's four lanes
+    top = fmax(top, arith.bitcast(f32, shuffle(arith.bitcast(int_type(), top), const(mask),
+                                               "bfly")))
+  m_new = fmax(m, top)
+  m_safe = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m_new, neg_inf), fconst(0.0), m_new)
+  alpha = exp2(arith.subf(m, m_safe))
+  p = [exp2(arith.subf(v, m_safe)) for v in s]
+  l = arith.addf(arith.mulf(l, alpha), arith.addf(arith.addf(p[0], p[1]), arith.addf(p[2], p[3])))
+  return m_new, l, alpha, p

@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 
 from jax_mla import _inline, _mosaic
 from jax_mla._common import LN2, LOG2E, cdiv, check_num_splits, num_sms, with_num_splits
-from jax_mla._inline import asm, at, const, fconst, fmax, shuffle, wide
+from jax_mla._inline import at, const, fconst, pack, shuffle, wide
 from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
 
 WARPS = 4  # work items per CTA, one warp each
@@ -258,7 +258,7 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   zero = const(0)
 
   def pairs_of(words):  # cache words -> b32 pairs of the mma dtype, in order
-    return [p for w in words for p in _fp8_pairs(w, cache_dtype)] if fp8 else list(words)
+    return [p for w in words for p in _inline.fp8_pairs(w, cache_dtype)] if fp8 else list(words)
 
   q_size = _ITEMSIZE[q_dtype]
 
@@ -275,8 +275,9 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
       raw = [w for k in range(run * q_size // 16)
              for w in _inline.load_words(at(ptr, c64(16 * k)), 4)]
       if q_dtype != dtype:  # to fp16 for the fp8 caches' mma, saturated at +-65504
-        values = _floats(raw, q_dtype)
-        raw = [_pack(*(_clamp(v, 65504.0) for v in values[k:k + 2]), "f16")
+        values = (_inline.bf16_floats(raw) if q_dtype == "bf16"
+                  else [arith.bitcast(f32, w) for w in raw])
+        raw = [pack(*(_inline.clamp(v, 65504.0) for v in values[k:k + 2]), "f16")
                for k in range(0, len(values), 2)]
       words += [arith.select(head_ok[x], w, zero) for w in raw]
     return words
@@ -288,13 +289,7 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     slopes = [arith.select(head_ok[x], load_f32(alibi_ref, arith.addi(
         arith.muli(h, const(group)), heads[x])), fconst(0.0)) for x in range(2)]
 
-  mma_ty = _inline.struct("f32", "f32", "f32", "f32")
-
-  def mma(acc, a, b):
-    out = asm(mma_ty, f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 "
-                      "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-              "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", *a, *b, *acc)
-    return _inline.fields(out, f32, 4)
+  mma = functools.partial(_inline.mma_16816, dtype=dtype)
 
   def block_id(step):
     logical = arith.divui(arith.muli(step, const(STEP)), const(block_size))
@@ -339,19 +334,6 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
               for n in range(d_chunks)]
     return pos0, blk_ok, keys, values
 
-  def softmax(s, m, l):
-    top = fmax(fmax(s[0], s[1]), fmax(s[2], s[3]))
-    for mask in (1, 2):  # the row's four lanes
-      top = fmax(top, arith.bitcast(f32, shuffle(arith.bitcast(i32, top), const(mask), "bfly")))
-    m_new = fmax(m, top)
-    m_safe = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m_new, neg_inf), fconst(0.0),
-                          m_new)
-    alpha = _exp2(arith.subf(m, m_safe))
-    p = [_exp2(arith.subf(v, m_safe)) for v in s]
-    l = arith.addf(arith.mulf(l, alpha), arith.addf(arith.addf(p[0], p[1]),
-                                                    arith.addf(p[2], p[3])))
-    return m_new, l, alpha, p
-
   def attend(state, loaded):
     """The online softmax and ``P V`` of one loaded step."""
     m_a, m_b, l_a, l_b, *acc = state
@@ -383,13 +365,13 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         out.append(arith.select(valid[i], v, neg_inf))
       return out
 
-    m_a, l_a, alpha_a, p_a = softmax(row_scores(0), m_a, l_a)
+    m_a, l_a, alpha_a, p_a = _inline.softmax_step(row_scores(0), m_a, l_a)
     if two_halves:
-      m_b, l_b, alpha_b, p_b = softmax(row_scores(1), m_b, l_b)
-      pb = [_pack(p_b[0], p_b[1], dtype), _pack(p_b[2], p_b[3], dtype)]
+      m_b, l_b, alpha_b, p_b = _inline.softmax_step(row_scores(1), m_b, l_b)
+      pb = [pack(p_b[0], p_b[1], dtype), pack(p_b[2], p_b[3], dtype)]
     else:
       alpha_b, pb = None, [zero, zero]
-    p_words = (_pack(p_a[0], p_a[1], dtype), pb[0], _pack(p_a[2], p_a[3], dtype), pb[1])
+    p_words = (pack(p_a[0], p_a[1], dtype), pb[0], pack(p_a[2], p_a[3], dtype), pb[1])
     # Value words of invalid tokens are zeroed (they may hold NaN; 0 * NaN is NaN).
     masks = [arith.ori(arith.select(valid[2 * w], const(0xFFFF), zero),
                        arith.select(valid[2 * w + 1], const(-65536), zero)) for w in range(2)]
@@ -428,7 +410,7 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     l_safe = arith.select(empty, fconst(1.0), l)
     inv = arith.select(empty, fconst(0.0), arith.divf(v_scale, l_safe))
     lse = arith.select(empty, fconst(float("inf")),
-                       arith.mulf(arith.addf(m, _log2(l_safe)), fconst(LN2)))
+                       arith.mulf(arith.addf(m, _inline.log2(l_safe)), fconst(LN2)))
     out_row = arith.addi(out_rows, heads[x])
     ok = arith.extui(i32, arith.andi(live, head_ok[x]))
     row_at = at(o_base, arith.muli(wide(out_row), c64(head_dim * 4)))
@@ -447,38 +429,3 @@ _ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
 _DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16",
                 jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float8_e4m3fn): "e4m3",
                 jnp.dtype(jnp.float8_e5m2): "e5m2"}
-
-
-def _fp8_pairs(word, fp8: str):
-  """Four fp8 bytes (``e4m3`` or ``e5m2``) -> two b32 words of fp16 pairs, exactly."""
-  i32 = _inline.int_type()
-  out = asm(_inline.struct("i32", "i32"),
-            f"{{.reg .b16 lo, hi; mov.b32 {{lo, hi}}, $2; cvt.rn.f16x2.{fp8}x2 $0, lo; "
-            f"cvt.rn.f16x2.{fp8}x2 $1, hi;}}", "=r,=r,r", word)
-  return _inline.fields(out, i32, 2)
-
-
-def _floats(words, dtype: str):
-  """b32 words of ``bf16`` pairs or of ``f32`` values -> float32 values, in order."""
-  if dtype == "bf16":
-    return _inline.bf16_floats(words)
-  from jax._src.lib.mlir.dialects import arith
-  return [arith.bitcast(_inline.f32_type(), w) for w in words]
-
-
-def _clamp(x, bound: float):
-  return asm(_inline.f32_type(), "{.reg .f32 t; max.f32 t, $1, $2; min.f32 $0, t, $3;}",
-             "=f,f,f,f", x, fconst(-bound), fconst(bound))
-
-
-def _exp2(x):
-  return asm(_inline.f32_type(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", x)
-
-
-def _log2(x):
-  return asm(_inline.f32_type(), "lg2.approx.f32 $0, $1;", "=f,f", x)
-
-
-def _pack(lo, hi, dtype: str):
-  """Two float32 values rounded into one b32 word of ``dtype`` pairs (``lo`` low)."""
-  return asm(_inline.int_type(), f"cvt.rn.{dtype}x2.f32 $0, $1, $2;", "=r,f,f", hi, lo)
