@@ -184,24 +184,34 @@ def _attend(ctx, len_ref, q_ref, sink_ref, idx_ref, kv_ref, o_ref, ml_ref, lse_r
   per = 4 if two_halves else 2  # accumulator fields a lane keeps per output tile
   # (m, l) of heads r and r + 8, the accumulator's factor g, the accumulator.
   state0 = [neg_inf, neg_inf, zero_f, zero_f, fconst(1.0)] + [zero_f] * (16 * per)
-  loop = scf.ForOp(lo, hi, const(1), slots_of(lo) + state0)
+  def load(slots):
+    """A step's loads: its key rows' NoPE runs and RoPE run, its score positions' scales
+    (28 words, in this order)."""
+    k_rows = [row_at(slots[j])[0] for j in range(2)]
+    nope = [wd for j in range(2) for run in nope_runs
+            for wd in _inline.load_words(at(k_rows[j], arith.muli(wide(run), c64(16))), 4)]
+    rope = [wd for j in range(2) for wd in _inline.load_words(at(k_rows[j], arith.addi(
+        c64(_ROW.rope_offset), arith.muli(wide(rope_run), c64(16)))), 4)]
+    scales = [_inline.load_words(at(row_at(slots[2 + u])[0], scale_off), 1)[0] for u in range(4)]
+    return nope + rope + scales
+
+  # The loop loads a step ahead: iteration s computes step s from the words it carries,
+  # while the loads of step s + 1 and the slots of step s + 2 are in flight.
+  first_slots = slots_of(lo)
+  carry0 = first_slots + slots_of(arith.addi(lo, const(1))) + load(first_slots) + state0
+  loop = scf.ForOp(lo, hi, const(1), carry0)
   with ir.InsertionPoint(loop.body):
     step = loop.induction_variable
-    slots, state = loop.inner_iter_args[:6], list(loop.inner_iter_args[6:])
+    args = list(loop.inner_iter_args)
+    slots, next_slots, words, state = args[:6], args[6:12], args[12:40], args[40:]
     m_a, m_b, l_a, l_b, g, *acc = state
-    next_slots = slots_of(arith.addi(step, const(1)))
+    carried = next_slots + slots_of(arith.addi(step, const(2))) + load(next_slots)
     pos0 = arith.muli(step, const(STEP))
-    # Loads: the key rows' NoPE runs (and RoPE), the score positions' scales.
-    k_rows = [row_at(slots[j])[0] for j in range(2)]
-    nope = [[wd for run in nope_runs for wd in _inline.load_words(
-        at(k_rows[j], arith.muli(wide(run), c64(16))), 4)] for j in range(2)]
-    rope = [_inline.load_words(at(k_rows[j], arith.addi(c64(_ROW.rope_offset), arith.muli(
-        wide(rope_run), c64(16)))), 4) for j in range(2)]
-    s_rows = [row_at(slots[2 + u]) for u in range(4)]
-    valid = [arith.andi(ok, lt(arith.addi(pos0, s_pos[u]), length))
-             for u, (_, ok) in enumerate(s_rows)]
-    scales = [arith.select(valid[u], arith.bitcast(f32, _inline.load_words(
-        at(s_rows[u][0], scale_off), 1)[0]), zero_f) for u in range(4)]
+    nope, rope = [words[:8], words[8:16]], [words[16:20], words[20:24]]
+    valid = [arith.andi(row_at(slots[2 + u])[1], lt(arith.addi(pos0, s_pos[u]), length))
+             for u in range(4)]
+    scales = [arith.select(valid[u], arith.bitcast(f32, words[24 + u]), zero_f)
+              for u in range(4)]
 
     # This warp's partial scores: its NoPE tile (fp16 mma, times the tile's scale per
     # position) and its RoPE half (bf16 mma).
@@ -267,9 +277,9 @@ def _attend(ctx, len_ref, q_ref, sink_ref, idx_ref, kv_ref, o_ref, ml_ref, lse_r
       b = [arith.andi(_movmatrix(keys[j][n]), masks[j]) for j in range(2)]
       part = [arith.mulf(acc[per * n + f], factors[f // 2]) for f in range(per)]
       new_acc += mma16(part + [zero_f] * (4 - per), a, b)[:per]
-    scf.YieldOp(next_slots + [m_a, m_b, l_a, l_b, top] + new_acc)
+    scf.YieldOp(carried + [m_a, m_b, l_a, l_b, top] + new_acc)
 
-  m_a, m_b, l_a, l_b, g, *acc = loop.results[6:]
+  m_a, m_b, l_a, l_b, g, *acc = loop.results[40:]
   # Part rows: (split * T + tok) * 16 + head (one split: the output's rows).
   rows0 = arith.muli(arith.addi(arith.muli(split, const(tokens)), tok), const(HEADS))
   o_base, ml_base, lse_base = (_inline.global_ptr(x) for x in (o_ref, ml_ref, lse_ref))
