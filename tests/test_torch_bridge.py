@@ -728,6 +728,27 @@ def test_jax_to_torch_waits_for_jax_stream():
     assert t.sum().item() == n  # torch's stream waited for it on the GPU
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_paged_attention_vllm_layout(fp8):
+  """vLLM's caches from torch: the library's choice (the Mosaic GPU kernel on Hopper)
+  through the bridge equals the same call from JAX, bit for bit, and the reference."""
+  r = _rng(12)
+  nb, hkv, bs, d, x = 12, 2, 16, 128, 16 if fp8 else 8
+  dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+  q = _bf16(r.normal(size=(3, 16, d))).cuda()
+  kc = torch.from_numpy(r.normal(size=(nb, hkv, d // x, bs, x)).astype(np.float32)).to(dtype).cuda()
+  vc = torch.from_numpy(r.normal(size=(nb, hkv, d, bs)).astype(np.float32)).to(dtype).cuda()
+  bt = _i32(r.permutation(nb)[:12].reshape(3, 4)).cuda()
+  sl = _i32([50, 1, 64]).cuda()
+  kw = dict(scale=d ** -0.5, k_scale=0.5, v_scale=0.25)
+  out = ops.paged_attention(q, kc, vc, bt, sl, **kw)
+  args = [to_jax(t) for t in (q, kc, vc, bt, sl)]
+  _assert_same(out, jax_mla.paged_attention(*args, **kw))
+  ref = np.asarray(jax_mla.paged_attention(*args, **kw, implementation="xla"), np.float32)
+  assert rel_err(out.float().cpu().numpy(), ref) < 1e-2
+
+
 # ----------------------------------------------------------------------------
 # GPU with FlashMLA installed: FlashMLA's kernels against jax_mla on the same arguments.
 
