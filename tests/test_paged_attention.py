@@ -395,6 +395,12 @@ MOSAIC_CASES = {
                 dict(config=mosaic.Config(num_splits=3, unroll=2))),
     "unroll4_window": (dict(seed=33, seq_lens=[200, 40, 3], hq=4, hkv=2, d=128, window=65,
                             alibi=True), dict(config=mosaic.Config(num_splits=2, unroll=4))),
+    # Loads an iteration ahead: one step at a time, and two with a window and fp8.
+    "ahead1": (dict(seed=26, seq_lens=[100, 47, 700], hq=8, hkv=1, d=64, bs=48, sinks=True),
+               dict(config=mosaic.Config(num_splits=3, unroll=1, ahead=True))),
+    "ahead2_fp8_window": (dict(seed=36, seq_lens=[200, 40, 3], hq=12, hkv=1, d=128, window=65,
+                               fp8_kv=True),
+                          dict(config=mosaic.Config(num_splits=2, unroll=2, ahead=True))),
     # fp8 caches (head sizes a multiple of 64): widened to fp16 for the mma, the query too.
     "fp8_kv": (dict(seed=28, seq_lens=SEQ_LENS, d=64, fp8_kv=True), {}),
     "fp8_all": (dict(seed=29, seq_lens=SEQ_LENS, hq=6, hkv=2, d=64, alibi=True, sinks=True,
