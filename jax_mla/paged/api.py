@@ -213,7 +213,7 @@ def paged_attention(
   itemsize = jnp.dtype(key_cache.dtype).itemsize
   mosaic_defaults = functools.partial(
       mosaic.with_defaults, num_kv_splits=num_kv_splits, num_seqs=num_seqs, num_kv_heads=hkv,
-      group=hq // hkv, max_tokens=max_tokens, cache_itemsize=itemsize)
+      group=hq // hkv, max_tokens=max_tokens, cache_itemsize=itemsize, head_dim=head_dim)
   triton_defaults = functools.partial(
       triton.with_defaults, num_kv_splits=num_kv_splits, fp8_cache=itemsize == 1,
       head_dim=head_dim, num_seqs=num_seqs, num_kv_heads=hkv, max_tokens=max_tokens,

@@ -142,20 +142,25 @@ def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_steps: int, num_
   return best
 
 
-def default_config(cache_itemsize: int) -> Config:
-  """2 steps an iteration for 16-bit caches; 1, loaded an iteration ahead, for fp8. H100,
-  128 sequences x 4096, two rounds: fp8 410.7 / 413.0 us as 2 steps, 398.2 / 402.0 us as 1
-  ahead, 401.2 / 401.4 us as 2 ahead; bf16 753.1 / 756.2, 751.6 / 763.2, 806.6 / 816.3 us
-  (2 ahead: too many words carried)."""
+def default_config(cache_itemsize: int, head_dim: int) -> Config:
+  """Up to 128 head dims: 2 steps an iteration for 16-bit caches, 1 loaded an iteration
+  ahead for fp8; more head dims: 1 step (registers). H100, 128 sequences x 4096, D 128,
+  two rounds: fp8 410.7 / 413.0 us as 2 steps, 398.2 / 402.0 us as 1 ahead, 401.2 / 401.4
+  us as 2 ahead; bf16 753.1 / 756.2, 751.6 / 763.2, 806.6 / 816.3 us. 64 sequences x 4096,
+  D 256, group 16: bf16 252.0 us as 2 steps, 229.5 us as 1; fp8 186.3 us as 1 ahead,
+  172.3 us as 1."""
+  if head_dim > 128:
+    return Config(unroll=1)
   return Config(unroll=2) if cache_itemsize == 2 else Config(unroll=1, ahead=True)
 
 
 def with_defaults(config: Config | None, *, num_kv_splits: int | None, num_seqs: int,
-                  num_kv_heads: int, group: int, max_tokens: int, cache_itemsize: int) -> Config:
+                  num_kv_heads: int, group: int, max_tokens: int, cache_itemsize: int,
+                  head_dim: int) -> Config:
   """``config`` (``None``: :func:`default_config`) with ``num_splits`` set (as the Triton
   kernel's); each KV head counts once per block of ``HEAD_BLOCK`` of its ``group`` query
   heads."""
-  config = config or default_config(cache_itemsize)
+  config = config or default_config(cache_itemsize, head_dim)
   return with_num_splits(config, num_kv_splits, lambda: default_num_kv_splits(
       num_seqs, num_kv_heads * cdiv(group, HEAD_BLOCK), cdiv(max_tokens, STEP), num_sms(),
       cache_itemsize))
