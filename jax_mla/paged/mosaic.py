@@ -71,6 +71,8 @@ class Config:
       bf16 572.6 / 566.9 / 564.7 us.
     ahead: also load the next iteration's steps before this one's math (their words
       are carried in registers), so a warp always has loads in flight.
+
+  ``paged_attention`` with ``config=None`` takes :func:`default_config`.
   """
   num_splits: int | None = None
   unroll: int = 2
@@ -193,8 +195,8 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
   items = num_seqs * hkv * head_blocks * splits
   body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(inputs) + 2))(functools.partial(
       _attend, group=group, head_blocks=head_blocks, head_dim=head_dim, block_size=block_size,
-      num_kv_heads=hkv,
-      num_seqs=num_seqs, splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
+      num_kv_heads=hkv, num_seqs=num_seqs, splits=splits, max_blocks=max_blocks,
+      num_blocks=num_blocks,
       sliding_window=sliding_window, has_alibi=alibi_slopes is not None,
       q_dtype=_DTYPE_NAMES[jnp.dtype(query.dtype)],
       cache_dtype=_DTYPE_NAMES[jnp.dtype(key_view_.data.dtype)], unroll=config.unroll,
@@ -209,10 +211,9 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
 
 
 def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
-            head_blocks,
-            head_dim, block_size, num_kv_heads, num_seqs, splits, max_blocks, num_blocks,
-            sliding_window, has_alibi, q_dtype, cache_dtype, unroll, ahead):
-  """One warp's (sequence, KV head, split): see the module. Lane ``(r, c) = (lane // 4,
+            head_blocks, head_dim, block_size, num_kv_heads, num_seqs, splits, max_blocks,
+            num_blocks, sliding_window, has_alibi, q_dtype, cache_dtype, unroll, ahead):
+  """One warp's (sequence, KV head, head block, split): see the module. Lane ``(r, c) = (lane // 4,
   lane % 4)`` holds the scores of heads ``r`` and ``r + 8`` for the step's tokens ``4c ..
   4c + 3`` and the outputs of those heads at head dims ``8n + 2c, 8n + 2c + 1``."""
   del ctx
