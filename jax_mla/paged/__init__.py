@@ -1,4 +1,5 @@
-"""Paged decode attention (vLLM ``kernel_paged_attention_2d``): reference and Triton kernel."""
+"""Paged decode attention (vLLM ``kernel_paged_attention_2d``): reference, Triton kernel
+and, for Hopper, a Mosaic GPU kernel."""
 
 from jax_mla.paged.api import paged_attention
 
