@@ -169,11 +169,16 @@ def cache_write(impl):
 
 def paged(impl):
   """bf16 and fp8 caches, 8 and 20 heads a KV head (20: two warps, the second with 4),
-  2 splits; block ids of every bad
-  kind past and inside the sequences; NaN in every slot no sequence owns; a sequence
-  of 0 tokens and one ending mid-step."""
+  head sizes 64 and 128, 1 and 2 splits; block ids of every bad kind past and inside the
+  sequences; NaN in every slot no sequence owns; a sequence of 0 tokens and one ending
+  mid-step."""
   rng = np.random.default_rng(5)
-  bs, hkv, d = 16, 2, 64
+  for d in (64, 128):  # 128: the output written by the kernel (1 split) or by the combine
+    yield from _paged_cases(rng, impl, d)
+
+
+def _paged_cases(rng, impl, d):
+  bs, hkv = 16, 2
   lens = np.asarray([0, 1, 37, 70, 129], np.int32)
   max_blocks = 10
   nb = lens.size * max_blocks + 2
@@ -193,8 +198,9 @@ def paged(impl):
     kc = jnp.asarray(k.reshape(nb, hkv, bs, d // x, x).transpose(0, 1, 3, 2, 4), dtype)
     vc = jnp.asarray(v.transpose(0, 1, 3, 2), dtype)
     q = jnp.asarray(rng.standard_normal((lens.size, hkv * group, d)), jnp.bfloat16)
-    yield paged_attention(q, kc, vc, jnp.asarray(bt.astype(np.int32)), jnp.asarray(lens),
-                          scale=0.125, num_kv_splits=2, implementation=impl)
+    for splits in (1, 2):
+      yield paged_attention(q, kc, vc, jnp.asarray(bt.astype(np.int32)), jnp.asarray(lens),
+                            scale=0.125, num_kv_splits=splits, implementation=impl)
 
 
 KERNELS = {

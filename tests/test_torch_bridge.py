@@ -577,6 +577,28 @@ def test_direct_plan_of_dense_decode(num_splits):
   assert plan.steps == plan.kernels and len(plan.kernels) == num_splits
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_direct_plan_of_paged_attention(num_splits):
+  """``paged_attention`` on Mosaic GPU with Python-number scales (bf16, head size 128):
+  its kernel, and when split the Mosaic GPU combine, with nothing around them (the rows
+  and lengths are read in the kernel, the scales are a constant)."""
+  pytest.importorskip("absl")
+  from jax_mla.paged import api as paged_api
+  from jax_mla.paged import mosaic as paged_mosaic
+  from torch_bridge import _direct
+  config = paged_mosaic.Config(num_splits=num_splits)
+  s = jax.ShapeDtypeStruct
+  _, block, treedef = _direct.lowered_main(
+      lambda q, k, v, bt, sl, sinks: paged_api._paged_attention(
+          q, k, v, bt, sl, 0.1, 1.0, 1.0, sinks, None, None, 1.0, sliding_window=0,
+          config=config, interpret=False, has_out_scale=False, static_scales=(0.1, 1.0, 1.0)),
+      [s((4, 64, 128), jnp.bfloat16), s((40, 8, 16, 16, 8), jnp.bfloat16),
+       s((40, 8, 128, 16), jnp.bfloat16), s((4, 10), jnp.int32), s((4,), jnp.int32),
+       s((64,), jnp.float32)], None)
+  plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+  assert plan.steps == plan.kernels and len(plan.kernels) == num_splits
+
+
 def test_direct_plan_of_sparse_prefill():
   """``flash_mla_sparse_fwd``'s program (``topk`` a multiple of 64, with or without
   ``topk_length``) is the prefill kernel alone; another ``topk`` has the index pre-pass

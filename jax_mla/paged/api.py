@@ -59,10 +59,13 @@ def _check_scalar(name, x):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sliding_window", "config", "interpret", "has_out_scale"))
+    jax.jit, static_argnames=("sliding_window", "config", "interpret", "has_out_scale",
+                              "static_scales"))
 def _paged_attention(query, key_cache, value_cache, block_table, seq_lens, sm_scale, k_scale,
                      v_scale, attn_sink, alibi_slopes, query_start_loc, out_scale, *,
-                     sliding_window, config, interpret, has_out_scale):
+                     sliding_window, config, interpret, has_out_scale, static_scales=None):
+  if static_scales is not None:  # Python numbers: the Mosaic kernel takes them as constants
+    sm_scale, k_scale, v_scale = static_scales
   head_dim = query.shape[2]
   kv = key_view(key_cache)
   block_size = kv.data.shape[3]
@@ -220,11 +223,16 @@ def paged_attention(
       interpret=interpret)
   config = backend_config(impl, config, mosaic=(mosaic.Config, mosaic_defaults),
                           triton=(triton.Config, triton_defaults))
+  # With Python-number scales the Mosaic GPU program is kernels alone (the torch bridge
+  # launches it directly); each distinct value compiles once.
+  numbers = all(isinstance(x, (int, float)) for x in (scale, k_scale, v_scale))
+  static_scales = ((float(scale), float(k_scale), float(v_scale))
+                   if numbers and isinstance(config, mosaic.Config) else None)
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,
       sliding_window=sliding_window, config=config, interpret=interpret,
-      has_out_scale=out_scale is not None)
+      has_out_scale=out_scale is not None, static_scales=static_scales)
 
 
 # --- sharding: how jax_mla.sharding splits this op over devices (see OpSharding) -----------

@@ -29,9 +29,12 @@ the loads, not the tensor-core tiles:
   out-of-range block id is never dereferenced.
 - Each warp loads the next step's block id while it works on this one.
 
-Each split writes its normalised float32 part and natural-log LSE; the parts and the
-sink are combined in XLA (:func:`jax_mla.paged.layout.finish_parts`), as the Triton
-kernel's are.
+Outputs: without ``query_start_loc`` and ``out_scale`` the op stays Mosaic GPU kernels
+alone (the torch bridge launches them directly: ``torch_bridge._direct``). One split
+writes the output itself, sinks applied. bf16 splits at head sizes 128 / 256 write bf16
+parts for :func:`jax_mla.merge_mosaic.combine`. Otherwise each split writes its float32
+part and natural-log LSE, and the parts and the sink are combined in XLA
+(:func:`jax_mla.paged.layout.finish_parts`), as the Triton kernel's are.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
-from jax_mla import _inline, _mosaic
+from jax_mla import _inline, _mosaic, merge_mosaic
 from jax_mla._common import LN2, LOG2E, cdiv, check_num_splits, num_sms, with_num_splits
 from jax_mla._inline import at, const, fconst, pack, shuffle, wide
 from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
@@ -181,38 +185,69 @@ def paged_attention_mosaic(query, key_view_: CacheView, value_view_: CacheView, 
   group = hq // hkv
   head_blocks = cdiv(group, HEAD_BLOCK)
 
-  query_row, lens = decode_rows(seq_lens, query_start_loc, t)
+  identity = query_start_loc is None  # row s is sequence s; the kernel clamps the lengths
+  query_row, lens = (None, seq_lens) if identity else decode_rows(seq_lens, query_start_loc, t)
   if num_blocks == 0 or max_blocks == 0:  # nothing to read: every sequence is empty
     lens = jnp.zeros_like(lens)
     block_table = jnp.zeros((num_seqs, 1), jnp.int32)
     max_blocks = 1
-  scalars = jnp.stack([jnp.asarray(sm_scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
-                       * LOG2E, jnp.asarray(v_scale, jnp.float32)])
-  inputs = [scalars, query_row, lens, block_table, query, key_view_.data,
+  if all(isinstance(x, float) for x in (sm_scale, k_scale, v_scale)):  # a constant
+    scalars = jnp.asarray(np.array([sm_scale * k_scale * LOG2E, v_scale], np.float32))
+  else:
+    scalars = jnp.stack([jnp.asarray(sm_scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32)
+                         * LOG2E, jnp.asarray(v_scale, jnp.float32)])
+  inputs = [scalars, lens, block_table, query, key_view_.data,
             value_view_.data.reshape(num_blocks, hkv, head_dim, block_size)]
+  if not identity:
+    inputs.append(query_row)
   if alibi_slopes is not None:
-    inputs.append(alibi_slopes.astype(jnp.float32) * LOG2E)
+    inputs.append(alibi_slopes.astype(jnp.float32))
+  # Where it can, the op stays Mosaic GPU kernels alone (the torch bridge then launches
+  # them directly): one split writes the output itself, sinks applied; bf16 splits are
+  # combined by jax_mla.merge_mosaic. Otherwise float32 parts are combined in XLA.
+  direct = identity and out_scale is None
+  combinable = (query.dtype == jnp.bfloat16 and head_dim in (128, 256)
+                and num_seqs * hq % merge_mosaic.ROWS == 0)
+  mode = ("final" if direct and splits == 1 else "parts_bf16" if direct and combinable
+          else "parts_f32")
+  out_dtype = (_DTYPE_NAMES[jnp.dtype(query.dtype)] if mode == "final"
+               else "bf16" if mode == "parts_bf16" else "f32")
+  if mode == "final":
+    inputs.append(jnp.full((hq,), -jnp.inf, jnp.float32) if attn_sink is None
+                  else attn_sink.astype(jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((num_seqs, hq, head_dim), query.dtype),)
+  else:
+    out_type = (jax.ShapeDtypeStruct((splits, num_seqs, hq, head_dim), jnp.dtype(
+        jnp.bfloat16 if out_dtype == "bf16" else jnp.float32)),
+                jax.ShapeDtypeStruct((splits, num_seqs, hq), jnp.float32))
   items = num_seqs * hkv * head_blocks * splits
-  body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(inputs) + 2))(functools.partial(
-      _attend, group=group, head_blocks=head_blocks, head_dim=head_dim, block_size=block_size,
-      num_kv_heads=hkv, num_seqs=num_seqs, splits=splits, max_blocks=max_blocks,
-      num_blocks=num_blocks,
-      sliding_window=sliding_window, has_alibi=alibi_slopes is not None,
-      q_dtype=_DTYPE_NAMES[jnp.dtype(query.dtype)],
-      cache_dtype=_DTYPE_NAMES[jnp.dtype(key_view_.data.dtype)], unroll=config.unroll,
-      ahead=config.ahead))
-  out_part, lse_part = pl.kernel(
-      body, name="paged_attention",
-      out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hq, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((splits, num_seqs, hq), jnp.float32)),
-      mesh=plgpu.Mesh(grid=(cdiv(items, WARPS),), grid_names=("w",)))(*inputs)
-  return finish_parts(out_part, lse_part, attn_sink, query_row, t,
-                      identity=query_start_loc is None, dtype=query.dtype, out_scale=out_scale)
+  body = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (len(inputs) + len(out_type)))(
+      functools.partial(
+          _attend, group=group, head_blocks=head_blocks, head_dim=head_dim,
+          block_size=block_size, num_kv_heads=hkv, num_seqs=num_seqs, splits=splits,
+          max_blocks=max_blocks, num_blocks=num_blocks, sliding_window=sliding_window,
+          has_alibi=alibi_slopes is not None, q_dtype=_DTYPE_NAMES[jnp.dtype(query.dtype)],
+          cache_dtype=_DTYPE_NAMES[jnp.dtype(key_view_.data.dtype)], unroll=config.unroll,
+          ahead=config.ahead, mode=mode, out_dtype=out_dtype, identity=identity))
+  outs = pl.kernel(body, name="paged_attention", out_type=out_type,
+                   mesh=plgpu.Mesh(grid=(cdiv(items, WARPS),), grid_names=("w",)))(*inputs)
+  if mode == "final":
+    return outs[0]
+  out_part, lse_part = outs
+  if mode == "parts_bf16":
+    rows = num_seqs * hq
+    out, _, _ = merge_mosaic.combine(out_part.reshape(splits, rows, head_dim),
+                                     lse_part.reshape(splits, rows),
+                                     lse_part.reshape(splits, rows), attn_sink, heads=hq)
+    return out.reshape(num_seqs, hq, head_dim)
+  return finish_parts(out_part, lse_part, attn_sink, query_row, t, identity=identity,
+                      dtype=query.dtype, out_scale=out_scale)
 
 
-def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
+def _attend(ctx, scal_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
             head_blocks, head_dim, block_size, num_kv_heads, num_seqs, splits, max_blocks,
-            num_blocks, sliding_window, has_alibi, q_dtype, cache_dtype, unroll, ahead):
+            num_blocks, sliding_window, has_alibi, q_dtype, cache_dtype, unroll, ahead, mode,
+            out_dtype, identity):
   """One warp's (sequence, KV head, head block, split): see the module. Lane ``(r, c) = (lane // 4,
   lane % 4)`` holds the scores of heads ``r`` and ``r + 8`` for the step's tokens ``4c ..
   4c + 3`` and the outputs of those heads at head dims ``8n + 2c, 8n + 2c + 1``."""
@@ -220,8 +255,11 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, scf
 
-  alibi_ref = refs[0] if has_alibi else None
-  o_ref, lse_ref = refs[-2:]
+  refs = list(refs)
+  row_ref = None if identity else refs.pop(0)
+  alibi_ref = refs.pop(0) if has_alibi else None
+  sink_ref = refs.pop(0) if mode == "final" else None
+  o_ref, lse_ref = refs if mode != "final" else (refs[0], None)
   i32, f32 = _inline.int_type(), _inline.f32_type()
   c64 = functools.partial(const, bits=64)
   lt = functools.partial(arith.cmpi, arith.CmpIPredicate.slt)
@@ -254,8 +292,8 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   def load_f32(ref, index):
     return arith.bitcast(f32, load_i32(ref, index))
 
-  length = load_i32(len_ref, seq)  # >= 0 (decode_rows)
-  row = arith.maxsi(load_i32(row_ref, seq), const(0))
+  length = arith.maxsi(load_i32(len_ref, seq), const(0))  # negative lengths count as 0
+  row = seq if identity else arith.maxsi(load_i32(row_ref, seq), const(0))
   num_steps = arith.divui(arith.addi(length, const(STEP - 1)), const(STEP))
   first = const(0)
   if sliding_window:
@@ -306,8 +344,9 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   qb = query_words(1) if two_halves else [zero] * len(qa)
   slopes = [fconst(0.0)] * 2
   if has_alibi:
-    slopes = [arith.select(head_ok[x], load_f32(alibi_ref, arith.addi(
-        arith.muli(h, const(group)), heads[x])), fconst(0.0)) for x in range(2)]
+    slopes = [arith.select(head_ok[x], arith.mulf(load_f32(alibi_ref, arith.addi(
+        arith.muli(h, const(group)), heads[x])), fconst(LOG2E)), fconst(0.0))
+              for x in range(2)]
 
   mma = functools.partial(_inline.mma_16816, dtype=dtype)
 
@@ -450,7 +489,8 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
   m_a, m_b, l_a, l_b, *acc = loop.results[unroll + words:]
   out_rows = arith.addi(arith.muli(arith.addi(arith.muli(split, const(num_seqs)), seq),
                                    const(num_kv_heads * group)), arith.muli(h, const(group)))
-  o_base, lse_base = _inline.global_ptr(o_ref), _inline.global_ptr(lse_ref)
+  o_base = _inline.global_ptr(o_ref)
+  out_size = _ITEMSIZE[out_dtype]
   for x, (m, l) in enumerate(((m_a, l_a), (m_b, l_b))):
     if x and not two_halves:
       break
@@ -458,19 +498,27 @@ def _attend(ctx, scal_ref, row_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
       l = arith.addf(l, arith.bitcast(f32, shuffle(arith.bitcast(i32, l), const(mask), "bfly")))
     empty = arith.cmpf(arith.CmpFPredicate.OEQ, l, fconst(0.0))
     l_safe = arith.select(empty, fconst(1.0), l)
-    inv = arith.select(empty, fconst(0.0), arith.divf(v_scale, l_safe))
-    lse = arith.select(empty, fconst(float("inf")),
-                       arith.mulf(arith.addf(m, _inline.log2(l_safe)), fconst(LN2)))
+    lse2 = arith.addf(m, _inline.log2(l_safe))
+    denominator = l_safe
+    if sink_ref is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)): +inf gives 0
+      sink = load_f32(sink_ref, arith.addi(arith.muli(h, const(group)), heads[x]))
+      denominator = arith.mulf(l_safe, arith.addf(fconst(1.0), _inline.exp2(
+          arith.subf(arith.mulf(sink, fconst(LOG2E)), lse2))))
+    inv = arith.select(empty, fconst(0.0), arith.divf(v_scale, denominator))
     out_row = arith.addi(out_rows, heads[x])
     ok = arith.extui(i32, arith.andi(live, head_ok[x]))
-    row_at = at(o_base, arith.muli(wide(out_row), c64(head_dim * 4)))
+    row_at = at(o_base, arith.muli(wide(out_row), c64(head_dim * out_size)))
     for n in range(d_chunks):
-      words = [arith.bitcast(i32, arith.mulf(acc[per * n + 2 * x + f], inv)) for f in range(2)]
+      values = [arith.mulf(acc[per * n + 2 * x + f], inv) for f in range(2)]
+      words = ([arith.bitcast(i32, v) for v in values] if out_dtype == "f32"
+               else [pack(*values, out_dtype)])
       _inline.store_words(at(row_at, wide(arith.muli(arith.addi(const(8 * n), arith.muli(
-          c, const(2))), const(4)))), words, ok)
-    first_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, c, zero))
-    _inline.store_words(at(lse_base, arith.muli(wide(out_row), c64(4))),
-                        [arith.bitcast(i32, lse)], arith.andi(ok, first_lane))
+          c, const(2))), const(out_size)))), words, ok)
+    if lse_ref is not None:
+      lse = arith.select(empty, fconst(float("inf")), arith.mulf(lse2, fconst(LN2)))
+      first_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, c, zero))
+      _inline.store_words(at(_inline.global_ptr(lse_ref), arith.muli(wide(out_row), c64(4))),
+                          [arith.bitcast(i32, lse)], arith.andi(ok, first_lane))
 
 
 _FP8 = ("e4m3", "e5m2")
