@@ -87,12 +87,22 @@ def load_words(ptr, count: int, hint: str = ""):
   return fields(words, int_type(), count)
 
 
-def store_words(ptr, words, ok):
-  """Stores ``words`` (1, 2 or 4 b32 values) at ``ptr`` where ``ok`` (i32) is not 0."""
+def load_f32(ptr):
+  """One float32 from ``ptr`` through the read-only path."""
+  return asm(f32_type(), "ld.global.nc.f32 $0, [$1];", "=f,l", ptr)
+
+
+def store_words(ptr, words, ok=None):
+  """Stores ``words`` (1, 2 or 4 b32 values) at ``ptr`` where ``ok`` (i32) is not 0;
+  always when ``ok`` is None."""
   n = len(words)
   regs = "$1" if n == 1 else "{" + ", ".join(f"${k + 1}" for k in range(n)) + "}"
   vec = f".v{n}" if n > 1 else ""
-  asm(void(), f"{{.reg .pred p; setp.ne.b32 p, ${n + 1}, 0; @p st.global{vec}.b32 [$0], {regs};}}",
+  store = f"st.global{vec}.b32 [$0], {regs};"
+  if ok is None:
+    asm(void(), store, ",".join(["l"] + ["r"] * n), ptr, *words, effects=True)
+    return
+  asm(void(), f"{{.reg .pred p; setp.ne.b32 p, ${n + 1}, 0; @p {store}}}",
       ",".join(["l"] + ["r"] * (n + 1)), ptr, *words, ok, effects=True)
 
 
@@ -134,7 +144,8 @@ def exp2(x):
 
 
 def log2(x):
-  return asm(f32_type(), "lg2.approx.f32 $0, $1;", "=f,f", x)
+  """``log2(x)`` (``lg2.approx.ftz``: the callers' arguments are sums of at least 1)."""
+  return asm(f32_type(), "lg2.approx.ftz.f32 $0, $1;", "=f,f", x)
 
 
 def clamp(x, bound: float):

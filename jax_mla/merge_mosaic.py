@@ -4,9 +4,9 @@ with attention sinks.
 A split-KV decode whose kernels are all Mosaic GPU stays one program of Mosaic GPU
 kernels (the torch bridge then launches it on torch's stream, without PJRT:
 ``torch_bridge._direct``). The reduce is small (each part row read once) and plain
-per-thread work, written inline: each CTA takes 8 rows, each thread one 16-byte chunk
-(8 values) of 4 of them; it weighs the parts by their LSE, sums them in float32 and
-stores bf16.
+per-thread work, written inline (:mod:`jax_mla._inline`): each CTA takes 8 rows, each
+thread one 16-byte chunk (8 values) of 4 of them; it weighs the parts by their LSE,
+sums them in float32 and stores bf16.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import _mosaic
+from jax_mla import _inline, _mosaic
 from jax_mla._common import LN2, LOG2E
 
 ROWS = 8  # rows per CTA: 128 threads x 4 rows x 16 bytes covers 8 rows of 512 values
@@ -63,91 +63,60 @@ def combine(out_parts, lse_parts, max_parts, sink, *, heads: int):
 
 def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, *, parts, n,
                   d, heads):
-  """One thread's rows (inline Mosaic GPU): see :func:`combine`."""
+  """One thread's rows (inline Mosaic GPU, :mod:`jax_mla._inline`): see :func:`combine`."""
   del ctx
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, llvm
+  from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-  i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
-                   ir.F32Type.get())
-  i8 = ir.IntegerType.get_signless(8)
-  void = ir.Type.parse("!llvm.void")
-  c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
-  cf = lambda v: mgpu.c(v, f32)  # noqa: E731
-
-  def glob(ref):
-    return llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                              mgpu_utils.memref_ptr(ref))
+  c32, cf = _inline.const, _inline.fconst
 
   def at(base, elem, size):  # byte address of element ``elem`` (i32) of ``size`` bytes
-    return mgpu_utils.getelementptr(base, [arith.muli(arith.extui(i64, elem),
-                                                      mgpu.c(size, i64))], i8)
-
-  def asm_f32(text, *args):
-    return llvm.inline_asm(f32, list(args), text, "=f," + ",".join("f" * len(args)))
-
-  def load_f32(ptr):
-    return llvm.inline_asm(f32, [ptr], "ld.global.nc.f32 $0, [$1];", "=f,l")
+    return _inline.at(base, arith.muli(_inline.wide(elem), _inline.const(size, 64)))
 
   eq = lambda a, b: arith.cmpf(arith.CmpFPredicate.OEQ, a, b)  # noqa: E731
-  o, lse_in, max_in, sinks = glob(o_ref), glob(l_ref), glob(m_ref), glob(sink_ref)
-  out, ml_out, lse_out = glob(out_ref), glob(ml_ref), glob(lse_ref)
+  o, lse_in, max_in, sinks = map(_inline.global_ptr, (o_ref, l_ref, m_ref, sink_ref))
+  out, ml_out, lse_out = map(_inline.global_ptr, (out_ref, ml_ref, lse_ref))
   tid = arith.remui(mgpu.thread_idx(), c32(128))
   chunks = d // _CHUNK
   chunk = arith.remui(tid, c32(chunks))
-  first = arith.addi(arith.muli(arith.index_cast(i32, gpu.block_id(gpu.Dimension.x)),
-                                c32(ROWS)), arith.divui(tid, c32(chunks)))
+  first = arith.addi(arith.muli(_inline.block_x(), c32(ROWS)), arith.divui(tid, c32(chunks)))
   inf, ninf = cf(float("inf")), cf(float("-inf"))
   for r in range(ROWS * chunks // 128):
     row = arith.addi(first, c32(r * 128 // chunks))
     # Weights: a part without keys (+-inf) weighs 0; NaN propagates (maximumf).
-    lses = [load_f32(at(lse_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
+    lses = [_inline.load_f32(at(lse_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
     lses = [arith.select(eq(v, inf), ninf, v) for v in lses]
     m = lses[0]
     for v in lses[1:]:
       m = arith.maximumf(m, v)
     empty = eq(m, ninf)
     m_safe = arith.select(empty, cf(0.0), m)
-    ws = [asm_f32("ex2.approx.ftz.f32 $0, $1;", arith.mulf(arith.subf(v, m_safe), cf(LOG2E)))
-          for v in lses]
+    ws = [_inline.exp2(arith.mulf(arith.subf(v, m_safe), cf(LOG2E))) for v in lses]
     total = ws[0]
     for w in ws[1:]:
       total = arith.addf(total, w)
     total_safe = arith.select(empty, cf(1.0), total)
-    lse = arith.addf(m_safe, arith.mulf(asm_f32("lg2.approx.ftz.f32 $0, $1;", total_safe),
-                                        cf(LN2)))
+    lse = arith.addf(m_safe, arith.mulf(_inline.log2(total_safe), cf(LN2)))
     lse = arith.select(empty, inf, lse)
     # The sink's share: 1 / (1 + exp(sink - lse)) (sink -inf: 1; an empty row is 0 anyway).
-    sink = load_f32(at(sinks, arith.remui(row, c32(heads)), 4))
-    kept = arith.divf(cf(1.0), arith.addf(cf(1.0), asm_f32(
-        "ex2.approx.ftz.f32 $0, $1;", arith.mulf(arith.subf(sink, lse), cf(LOG2E)))))
+    sink = _inline.load_f32(at(sinks, arith.remui(row, c32(heads)), 4))
+    kept = arith.divf(cf(1.0), arith.addf(cf(1.0), _inline.exp2(
+        arith.mulf(arith.subf(sink, lse), cf(LOG2E)))))
     scale = arith.select(empty, cf(0.0), arith.divf(kept, total_safe))
     acc = [cf(0.0)] * _CHUNK
     for s, w in enumerate(ws):
       ws_scaled = arith.mulf(w, scale)
       chunk_at = at(o, arith.addi(arith.muli(arith.addi(c32(s * n), row), c32(chunks)), chunk),
                     16)
-      pairs = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"), [chunk_at],
-                              "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-      for k in range(_CHUNK // 2):  # a b32 holds values 2k (low half) and 2k + 1
-        pair = llvm.extractvalue(i32, pairs, [k])
-        lo = arith.bitcast(f32, arith.shli(pair, c32(16)))
-        hi = arith.bitcast(f32, arith.andi(pair, c32(-65536)))
-        acc[2 * k] = arith.addf(acc[2 * k], arith.mulf(lo, ws_scaled))
-        acc[2 * k + 1] = arith.addf(acc[2 * k + 1], arith.mulf(hi, ws_scaled))
-    packed = [llvm.inline_asm(i32, [acc[2 * k + 1], acc[2 * k]], "cvt.rn.bf16x2.f32 $0, $1, $2;",
-                              "=r,f,f") for k in range(_CHUNK // 2)]
-    llvm.inline_asm(void, [at(out, arith.addi(arith.muli(row, c32(chunks)), chunk), 16), *packed],
-                    "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
-                    has_side_effects=True)
-    first_chunk = arith.cmpi(arith.CmpIPredicate.eq, chunk, c32(0))
-    maxes = [load_f32(at(max_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
+      values = _inline.bf16_floats(_inline.load_words(chunk_at, 4))
+      acc = [arith.addf(a, arith.mulf(v, ws_scaled)) for a, v in zip(acc, values, strict=True)]
+    packed = [_inline.pack(acc[2 * k], acc[2 * k + 1], "bf16") for k in range(_CHUNK // 2)]
+    _inline.store_words(at(out, arith.addi(arith.muli(row, c32(chunks)), chunk), 16), packed)
+    first_chunk = arith.extui(_inline.int_type(), arith.cmpi(arith.CmpIPredicate.eq, chunk,
+                                                            c32(0)))
+    maxes = [_inline.load_f32(at(max_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
     mx = maxes[0]
     for v in maxes[1:]:
       mx = arith.maximumf(mx, v)
     for ptr, value in ((at(lse_out, row, 4), lse), (at(ml_out, row, 4), mx)):
-      llvm.inline_asm(void, [ptr, value, arith.extui(i32, first_chunk)],
-                      "{.reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.f32 [$0], $1;}",
-                      "l,f,r", has_side_effects=True)
+      _inline.store_words(ptr, [arith.bitcast(_inline.int_type(), value)], first_chunk)

@@ -140,8 +140,7 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
   token = arith.addi(arith.muli(_inline.block_x(), c32(WARPS)), warp)
   in_range = arith.cmpi(arith.CmpIPredicate.ult, token, c32(num_tokens))
   token = arith.minui(token, c32(num_tokens - 1))  # loads stay in bounds; stores check ok
-  slot = asm(i32, "ld.global.nc.b32 $0, [$1];", "=r,l",
-             at(glob(slot_ref), arith.muli(wide(token), c64(4))))
+  [slot] = _inline.load_words(at(glob(slot_ref), arith.muli(wide(token), c64(4))), 1)
   ok = arith.andi(in_range, arith.andi(
       arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0)),
       arith.cmpi(arith.CmpIPredicate.slt, slot, c32(capacity))))
@@ -183,7 +182,7 @@ def _write_tokens(ctx, slot_ref, nope_ref, *refs, fmt, num_tokens, block_size, r
     store(at(token_row, arith.addi(c64(1024), rope_lane)), rope_pairs(), rope_lanes)
     return
   if fmt == FP8_PER_TENSOR:  # fp8 rows [kv_c | k_pe] / scale
-    scale = asm(f32, "ld.global.nc.f32 $0, [$1];", "=f,l", glob(scale_ref))
+    scale = _inline.load_f32(glob(scale_ref))
     store(at(token_row, lane_bytes),
           fp8_words(divided(_inline.bf16_floats(pairs), scale), pairs), ok)
     rope = rope_pairs()

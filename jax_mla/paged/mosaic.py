@@ -286,11 +286,14 @@ def _attend(ctx, scal_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
   h = arith.remui(arith.divui(item, const(splits)), const(num_kv_heads))
   seq = arith.divui(item, const(splits * num_kv_heads))
 
+  def element(ref, index):  # the address of 4-byte element ``index`` of ``ref``
+    return at(_inline.global_ptr(ref), arith.muli(wide(index), c64(4)))
+
   def load_i32(ref, index):
-    return _inline.load_words(at(_inline.global_ptr(ref), arith.muli(wide(index), c64(4))), 1)[0]
+    return _inline.load_words(element(ref, index), 1)[0]
 
   def load_f32(ref, index):
-    return arith.bitcast(f32, load_i32(ref, index))
+    return _inline.load_f32(element(ref, index))
 
   length = arith.maxsi(load_i32(len_ref, seq), const(0))  # negative lengths count as 0
   row = seq if identity else arith.maxsi(load_i32(row_ref, seq), const(0))
