@@ -64,8 +64,8 @@ def _check_scalar(name, x):
 def _paged_attention(query, key_cache, value_cache, block_table, seq_lens, sm_scale, k_scale,
                      v_scale, attn_sink, alibi_slopes, query_start_loc, out_scale, *,
                      sliding_window, config, interpret, has_out_scale, static_scales=None):
-  if static_scales is not None:  # Python numbers: the Mosaic kernel takes them as constants
-    sm_scale, k_scale, v_scale = static_scales
+  if static_scales is not None:  # Python numbers (the traced ones are None): the Mosaic
+    sm_scale, k_scale, v_scale = static_scales  # kernel takes them as constants
   head_dim = query.shape[2]
   kv = key_view(key_cache)
   block_size = kv.data.shape[3]
@@ -228,6 +228,8 @@ def paged_attention(
   numbers = all(isinstance(x, (int, float)) for x in (scale, k_scale, v_scale))
   static_scales = ((float(scale), float(k_scale), float(v_scale))
                    if numbers and isinstance(config, mosaic.Config) else None)
+  if static_scales is not None:  # not passed twice: no traced copies
+    scale = k_scale = v_scale = None
   return _paged_attention(
       query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, sinks,
       alibi_slopes, query_start_loc, 1.0 if out_scale is None else out_scale,
