@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _inline, _mosaic
 from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
@@ -248,8 +248,7 @@ def _add_rows(plgpu, acc, idx_s, dkv_ref, col: int):
     index = ir.IndexType.get()
     c_index, c64 = (lambda v: mgpu_utils.c(v, index)), (lambda v: mgpu_utils.c(v, i64))  # noqa: E731
     width = ir.MemRefType(dkv_ref.type).shape[1]
-    base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                              mgpu_utils.memref_ptr(dkv_ref))
+    base = _inline.global_ptr(dkv_ref)
     parity = arith.andi(arith.shrui(mgpu.thread_idx(), mgpu_utils.c(2, i32)),
                         mgpu_utils.c(1, i32))
     odd = arith.cmpi(arith.CmpIPredicate.ne, parity, mgpu_utils.c(0, i32))

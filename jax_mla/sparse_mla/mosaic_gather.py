@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _inline, _mosaic
 from jax_mla._common import cdiv
 from jax_mla.cache import e2m1
 from jax_mla.cache.ds_mla import DsMla
@@ -288,8 +288,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     tid = arith.remui(mgpu.thread_idx(), c32(128))
     lane = arith.andi(tid, c32(THREADS_PER_ROW - 1))  # 16-byte piece of a 128-byte tile row
     group = arith.shrui(tid, c32(3))
-    kv_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                 mgpu_utils.memref_ptr(kv_ref))
+    kv_base = _inline.global_ptr(kv_ref)
     main_base = mgpu_utils.memref_ptr(main_ref)
     rope_base = mgpu_utils.memref_ptr(rope_ref)
     if pair:  # this stage's phase of the pair mbarrier: the peer's bytes, one arrival
@@ -325,8 +324,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
 
     thread_rows = [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
     idxs = [memref.load(staged_ref, [arith.index_cast(index, row)]) for row in thread_rows]
-    next_src = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                  mgpu_utils.memref_ptr(next_idx_ref))
+    next_src = _inline.global_ptr(next_idx_ref)
     next_dst = mgpu_utils.memref_ptr(next_staged_ref)
     for row in thread_rows:
       off = arith.muli(row, c32(4))
@@ -337,9 +335,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       address = lambda ref: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref))  # noqa: E731
       position = arith.trunci(i32, arith.divui(arith.subi(address(step_ref), address(row_ref)),
                                                c64(4)))
-      length = llvm.inline_asm(i32, [llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                                        mgpu_utils.memref_ptr(len_ref))],
-                               "ld.global.b32 $0, [$1];", "=r,l")
+      length = llvm.inline_asm(i32, [_inline.global_ptr(len_ref)], "ld.global.b32 $0, [$1];",
+                               "=r,l")
       left = arith.subi(length, position)  # may be negative: every row is refused
     rows, scales, oks = [], [], []
     for row, idx in zip(thread_rows, idxs, strict=True):
