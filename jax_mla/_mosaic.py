@@ -170,6 +170,12 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   and the rescale factor into the slot's row of ``stats``: both are free again when
   the stage is.
 
+  The softmax leaves the tensor cores idle; hiding it needs a third 72 KiB stage, which
+  does not fit beside the query. FlashMLA's pair split (each warpgroup computing ``S``
+  of its own slot), with whole or half-slot barriers, and computing ``S`` a stage ahead
+  were slower here on the H100 (exposed reloads, and register spills in Mosaic GPU's
+  code): benchmarks/RESULTS.md, session 20.
+
   Transposed (``p_t`` given; the sparse kernel for head counts that are not a multiple
   of 64): the keys are wgmma's M side, ``S^T = K Q^T`` ``[keys, heads]``, the softmax
   runs down the columns and ``O^T += V^T P^T``. ``P^T`` goes to ``p_t``'s slot, stored
