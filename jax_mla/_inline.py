@@ -124,6 +124,16 @@ def fmax(a, b):
   return asm(f32_type(), "max.f32 $0, $1, $2;", "=f,f,f", a, b)
 
 
+def across_row(v, combine):
+  """``combine`` of an f32 over the four lanes that hold one ``mma.sync`` row (lanes
+  ``4 r`` .. ``4 r + 3``), in each of them."""
+  from jax._src.lib.mlir.dialects import arith
+  for mask in (1, 2):
+    v = combine(v, arith.bitcast(f32_type(), shuffle(arith.bitcast(int_type(), v), const(mask),
+                                                     "bfly")))
+  return v
+
+
 def lane_and_warp():
   """``(lane, warp)`` of this thread in its 128-thread warpgroup, as i32."""
   from jax._src.lib.mlir.dialects import arith
@@ -186,12 +196,8 @@ def softmax_step(s, m, l):
   four lanes), ``l`` this lane's part of the running sum (summed over the lanes at the
   end); a row with no key yet keeps ``m = -inf`` and takes exponents against 0."""
   from jax._src.lib.mlir.dialects import arith
-  f32 = f32_type()
   neg_inf = fconst(float("-inf"))
-  top = fmax(fmax(s[0], s[1]), fmax(s[2], s[3]))
-  for mask in (1, 2):  # the row's four lanes
-    top = fmax(top, arith.bitcast(f32, shuffle(arith.bitcast(int_type(), top), const(mask),
-                                               "bfly")))
+  top = across_row(fmax(fmax(s[0], s[1]), fmax(s[2], s[3])), fmax)
   m_new = fmax(m, top)
   m_safe = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m_new, neg_inf), fconst(0.0), m_new)
   alpha = exp2(arith.subf(m, m_safe))

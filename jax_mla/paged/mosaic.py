@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 
 from jax_mla import _inline, _mosaic, merge_mosaic
 from jax_mla._common import LN2, LOG2E, cdiv, check_num_splits, num_sms, with_num_splits
-from jax_mla._inline import at, const, fconst, pack, shuffle, wide
+from jax_mla._inline import at, const, fconst, pack, wide
 from jax_mla.paged.layout import CacheView, decode_rows, finish_parts
 
 WARPS = 4  # work items per CTA, one warp each
@@ -497,8 +497,7 @@ def _attend(ctx, scal_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, group,
   for x, (m, l) in enumerate(((m_a, l_a), (m_b, l_b))):
     if x and not two_halves:
       break
-    for mask in (1, 2):  # the row sum over its four lanes
-      l = arith.addf(l, arith.bitcast(f32, shuffle(arith.bitcast(i32, l), const(mask), "bfly")))
+    l = _inline.across_row(l, arith.addf)  # the row sum over its four lanes
     empty = arith.cmpf(arith.CmpFPredicate.OEQ, l, fconst(0.0))
     l_safe = arith.select(empty, fconst(1.0), l)
     lse2 = arith.addf(m, _inline.log2(l_safe))
