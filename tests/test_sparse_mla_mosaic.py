@@ -222,9 +222,12 @@ def test_decode_with_lengths_lowers(h_q, pair, producers):
   head-block with and without the 2-CTA pair, transposed with one and two producers, a
   main and an extra set; runs without a GPU."""
   fmt = resolve("fp8_ds_mla")
-  registers = dict(consumer_registers=168, producer_registers=88) if producers == 2 else {}
-  config = dataclasses.replace(mosaic.default_config(fmt, h_q), pair=pair, producers=producers,
-                               **registers)
+  if h_q == 16:  # the transposed kernel with two consumers
+    consumer, producer = (168, 88) if producers == 2 else (176, 152)
+    config = mosaic.Config(consumer_registers=consumer, producer_registers=producer,
+                           producers=producers)
+  else:
+    config = dataclasses.replace(mosaic.default_config(fmt, h_q), pair=pair)
   s = jax.ShapeDtypeStruct
   text = lowers_for_cuda(
       lambda q, cache, idx, n, e_idx: mosaic.sparse_decode(
@@ -233,6 +236,34 @@ def test_decode_with_lengths_lowers(h_q, pair, producers):
       s((4, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8), s((4, 256), jnp.int32),
       s((4,), jnp.int32), s((4, 128), jnp.int32)).as_text()
   assert "stablehlo.select" not in text  # no index pre-pass
+
+
+# The transposed kernel's warpgroups: consumers and producers (the defaults are 1c2p at
+# 16 heads a CTA and 1c1p at 32; 2c1p was the default before).
+TRANSPOSED_CONFIGS = {
+    "1c1p": mosaic.Config(consumer_registers=256, producer_registers=256, consumers=1),
+    "1c2p": mosaic.Config(consumer_registers=184, producer_registers=160, consumers=1,
+                          producers=2),
+    "2c1p": mosaic.Config(consumer_registers=176, producer_registers=152)}
+
+
+@pytest.mark.parametrize("name", ["1c1p", "1c2p"])
+def test_single_consumer_lowers(name):
+  """The transposed kernel with one consumer warpgroup (Config.consumers), decode with
+  lengths on a main and an extra set and prefill; runs without a GPU."""
+  fmt, config = resolve("fp8_ds_mla"), TRANSPOSED_CONFIGS[name]
+  s = jax.ShapeDtypeStruct
+  lowers_for_cuda(
+      lambda q, cache, idx, n, e_idx: mosaic.sparse_decode(
+          q, [(cache, idx, n), (cache, e_idx, n)], None, fmts=(fmt, fmt), sm_scale=0.1,
+          config=config),
+      s((4, 16, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8), s((4, 256), jnp.int32),
+      s((4,), jnp.int32), s((4, 128), jnp.int32))
+  lowers_for_cuda(
+      lambda q, kv, idx, lens: mosaic.sparse_prefill(q, kv, idx, None, lens, sm_scale=0.1,
+                                                     config=config),
+      s((3, 16, 512), jnp.bfloat16), s((100, 512), jnp.bfloat16), s((3, 64), jnp.int32),
+      s((3,), jnp.int32))
 
 
 def test_default_num_splits_fills_the_sms():
@@ -279,8 +310,18 @@ def test_config_register_rule():
   # Two producers (the transposed kernel's option): four warpgroups share 512.
   assert mosaic.register_budget(2) == 512
   assert mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
-  assert mosaic.default_config(None, 16) == mosaic.Config(consumer_registers=176,
-                                                          producer_registers=152)
+  # The transposed kernel: one consumer; two producers beside it at 16 heads a CTA.
+  assert mosaic.register_budget(2, consumers=1) == 504
+  assert mosaic.register_budget(1, consumers=1) == 512
+  assert mosaic.default_config(None, 16) == mosaic.Config(
+      consumer_registers=232, producer_registers=136, consumers=1, producers=2)
+  assert mosaic.default_config(resolve("fp8_ds_mla"), 8).producers == 2
+  assert mosaic.default_config(resolve("fp8_ds_mla"), 24) == mosaic.Config(
+      consumer_registers=256, producer_registers=256, consumers=1)
+  with pytest.raises(ValueError, match="1 \\* consumer_registers"):
+    mosaic.Config(consumer_registers=176, producer_registers=152, consumers=1)
+  with pytest.raises(ValueError, match="consumers must be 1 or 2"):
+    mosaic.Config(consumers=3)
   with pytest.raises(ValueError, match="512 or the kernel hangs"):
     mosaic.Config(consumer_registers=104, producer_registers=144, producers=2)
   with pytest.raises(ValueError, match="num_stages 2"):
@@ -307,6 +348,34 @@ def test_two_producers_decode(case):
   q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
   cfg = mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
   got = sparse_mla_decode(q, cache, idx, implementation="mosaic", config=cfg, **kw)
+  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
+  (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
+  assert rel_err(out, r_out) < 1e-2
+  empty = np.isposinf(r_lse)
+  np.testing.assert_array_equal(np.isposinf(lse), empty)
+  np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TRANSPOSED_CONFIGS))
+@pytest.mark.parametrize(("d_qk", "h_q"), [(576, 16), (512, 16), (576, 32)])
+def test_transposed_configs(d_qk, h_q, name):
+  """The transposed kernel's warpgroup splits, lengths from 0 to past topk and an odd
+  number of steps."""
+  rng = np.random.default_rng(8)
+  q, kv, idx = _case(rng, S_Q, h_q, d_qk, S_KV, 190)
+  lengths = jnp.asarray([190, 0, 77, 190, 3, 64, 65, 1], jnp.int32)
+  _check(q, kv, idx, topk_length=lengths, config=TRANSPOSED_CONFIGS[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TRANSPOSED_CONFIGS))
+@pytest.mark.parametrize("case", [DECODE_CASES[-4], DECODE_CASES[-5]], ids=["m1-x", "ds"])
+def test_transposed_configs_decode(case, name):
+  """The warpgroup splits across a main and an extra set, and on one set."""
+  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
+  got = sparse_mla_decode(q, cache, idx, implementation="mosaic",
+                          config=TRANSPOSED_CONFIGS[name], **kw)
   ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
   (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
   assert rel_err(out, r_out) < 1e-2
@@ -344,10 +413,12 @@ def test_pair_default(fmt, h_q, pair):
   assert mosaic.default_config(fmt and resolve(fmt), h_q).pair is pair
 
 
-def test_two_producers_need_the_transposed_kernel():
+@pytest.mark.parametrize("cfg", [
+    mosaic.Config(consumer_registers=104, producer_registers=152, producers=2),
+    mosaic.Config(consumer_registers=256, producer_registers=256, consumers=1)])
+def test_head_block_kernel_needs_one_producer_two_consumers(cfg):
   q = jnp.zeros((2, 64, 576), jnp.bfloat16)
-  cfg = mosaic.Config(consumer_registers=104, producer_registers=152, producers=2)
-  with pytest.raises(ValueError, match="one producer"):
+  with pytest.raises(ValueError, match="one producer and two consumers"):
     mosaic.attend(q, [(jnp.zeros((1, 8, 576), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32),
                        jnp.full((2,), 4, jnp.int32))], None, fmts=(None,), sm_scale=0.1,
                   config=cfg)

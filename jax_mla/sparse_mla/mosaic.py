@@ -65,11 +65,12 @@ BLOCK_H = 64  # query heads per CTA: one wgmma M
 MIN_SPLIT_STEPS = 2
 
 
-def register_budget(producers: int) -> int:
-  """The registers per thread that ``2 * consumer + producers * producer`` must total:
-  each warpgroup starts with an equal share (:func:`jax_mla._mosaic.register_share`)
-  and setmaxnreg only moves registers between them (see Config)."""
-  return (2 + producers) * _mosaic.register_share(2 + producers)
+def register_budget(producers: int, consumers: int = 2) -> int:
+  """The registers per thread that ``consumers * consumer + producers * producer`` must
+  total: each warpgroup starts with an equal share
+  (:func:`jax_mla._mosaic.register_share`) and setmaxnreg only moves registers between
+  them (see Config)."""
+  return (consumers + producers) * _mosaic.register_share(consumers + producers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +82,17 @@ class Config:
       stages fill the 227 KiB of SMEM, so 1 or 2.
     consumer_registers, producer_registers: registers per thread of each of the two
       consumer warpgroups and of each producer (``setmaxnreg``: multiples of 8 in
-      [24, 256]). ``2 * consumer + producers * producer`` must be
-      :func:`register_budget` (504 with one producer, 512 with two): setmaxnreg only
+      [24, 256]). ``consumers * consumer + producers * producer`` must be
+      :func:`register_budget` (504 with three warpgroups, 512 with two or four):
+      setmaxnreg only
       moves registers between warpgroups, and the consumers' increase waits forever
       for registers nobody frees (a hang seen with 224 / 64).
     producers: producer warpgroups, each gathering every ``producers``-th step (its own
       step's loads in flight); 2 needs ``num_stages`` 2 and the transposed kernel (``h_q``
       up to 32, see :func:`transposed`), whose consumers need fewer registers.
+    consumers: consumer warpgroups: 2, or 1 on the transposed kernel, where one
+      warpgroup takes every stage (``S^T``, softmax and all 512 rows of ``O^T``) and
+      the registers it leaves go to the producers.
     pair: head-block kernel, quantized caches, ``h_q`` a multiple of 128 (ignored
       otherwise): the two head blocks of a token run as a 2-CTA cluster and each
       gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
@@ -102,6 +107,7 @@ class Config:
   consumer_registers: int = 208
   producer_registers: int = 88
   producers: int = 1
+  consumers: int = 2
   pair: bool = False
   num_splits: int | None = None
 
@@ -116,11 +122,14 @@ class Config:
       raise ValueError(f"register counts must be multiples of 8 in [24, 256]; got {regs}")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"num_splits must be None or >= 1; got {self.num_splits}")
-    budget = register_budget(self.producers)
-    if 2 * self.consumer_registers + self.producers * self.producer_registers != budget:
+    if self.consumers not in (1, 2):
+      raise ValueError(f"consumers must be 1 or 2; got {self.consumers}")
+    budget = register_budget(self.producers, self.consumers)
+    c, p = self.consumers, self.producers
+    if c * self.consumer_registers + p * self.producer_registers != budget:
       raise ValueError(
-          f"2 * consumer_registers + {self.producers} * producer_registers must be {budget} "
-          f"or the kernel hangs; got 2 * {self.consumer_registers} + {self.producers} * "
+          f"{c} * consumer_registers + {p} * producer_registers must be {budget} "
+          f"or the kernel hangs; got {c} * {self.consumer_registers} + {p} * "
           f"{self.producer_registers}")
 
 
@@ -139,10 +148,16 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer
   keeps more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210
   TFLOP/s; 104 and 120 gave no more). The bf16 producer only issues ``cp.async``
-  copies: 40 registers. Transposed kernel (H100, fp8_ds_mla b128 h16 row): one producer
-  at 152 registers, 234 us; two producers need the consumers at 168 or fewer, where
-  they slow down more than the second producer gains (285 us at 168 / 88, 412 us at
-  104 / 152); the bf16 prefill h16 row likewise (2204 us vs 2277 us).
+  copies: 40 registers. Transposed kernel: one consumer warpgroup takes every stage
+  (``consumers=1``), which frees the registers for a second producer (H100, interleaved
+  medians of two runs, against two consumers and one producer at 176 / 152): 16 heads
+  a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16 225.5 /
+  237.5 vs 240.8 / 247.5 us, fp8_model1 h16 174.1 / 171.0 vs 183.8 / 186.4 us; bf16
+  prefill h16 (s_q 1024) 512.1 us at 232 / 136 vs 603.6 us. 32 heads a CTA: the
+  consumer's accumulators need 256 registers, so one producer (fp8_ds_mla b128 h32
+  258.3 / 257.4 vs 280.1 / 283.4 us; two producers beside a consumer at 184-232:
+  310-483 us). With two consumers, two producers left them 168 or fewer registers
+  (285 us at 168 / 88).
 
   ``pair`` (H100, V4 decode rows b256 h128, interleaved medians): fp8_v41 542 / 531 us
   with it, 576 / 585 us without; fp8_model1 540 / 548 us with, 548 / 552 us without;
@@ -150,7 +165,11 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   then go through registers twice), so it stays off there.
   """
   if transposed(h_q):
-    return Config(consumer_registers=176, producer_registers=152)
+    if _mosaic.transposed_tiles(h_q)[1] > _mosaic.TRANSPOSED_ROW_ALIGN:
+      return Config(consumer_registers=256, producer_registers=256, consumers=1)
+    if dequantized(fmt):
+      return Config(consumer_registers=184, producer_registers=160, consumers=1, producers=2)
+    return Config(consumer_registers=232, producer_registers=136, consumers=1, producers=2)
   if dequantized(fmt):
     return Config(consumer_registers=208, producer_registers=88,
                   pair=h_q % (2 * BLOCK_H) == 0 and not isinstance(fmt, DsMla))
@@ -278,9 +297,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
                                   fmts=fmts, sm_scale=sm_scale, config=config,
                                   num_splits=num_splits)
     return out[:, :h_q], max_logits[:, :h_q], lse[:, :h_q]
-  if config.producers != 1:
+  if config.producers != 1 or config.consumers != 2:
     raise ValueError(f"the Mosaic GPU kernel for h_q a multiple of {BLOCK_H} runs one "
-                     f"producer; got Config(producers={config.producers})")
+                     f"producer and two consumers; got Config(producers={config.producers}, "
+                     f"consumers={config.consumers})")
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
   pair = (config.pair and num_splits == 1 and h_q % (2 * BLOCK_H) == 0

@@ -66,26 +66,51 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
 
-  @pl.when(wg < 2)
+  consumers = config.consumers
+  warpgroups = consumers + config.producers
+  o_rows = pl.ds(part * tokens * h_pad + r0, heads)
+  block = (part * tokens + t) * lax.axis_size("h") + lax.axis_index("h")
+
+  def key_mask(slot):
+    def apply(s):  # the producer wrote each key's validity beside the stage
+      ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
+      return jnp.where(lax.broadcast_in_dim(ok, s.shape, [0]) != 0, s, -jnp.inf)
+
+    return apply
+
+  def load_sink():
+    return plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
+                      optimized=False)
+
+  @pl.when(wg < consumers)
   def _consumer():
-    _mosaic.set_registers(plgpu, config.consumer_registers, 2 + config.producers)
-
-    def mask(i, slot):
-      del i
-
-      def apply(s):  # the producer wrote each key's validity beside the stage
-        ok = plgpu.load(valid.at[slot], (), layout=_mosaic.row_layout(plgpu), optimized=False)
-        return jnp.where(lax.broadcast_in_dim(ok, s.shape, [0]) != 0, s, -jnp.inf)
-
-      return apply
+    _mosaic.set_registers(plgpu, config.consumer_registers, warpgroups)
+    if consumers == 1:
+      accs, m, l = _consume_alone(plgpu, q_main=q_main, q_rope=q_rope if has_rope else None,
+                                  k_main=kv_main, k_rope=kv_rope, p_t=p_t, steps=first[-1],
+                                  barriers=(q_bar, kv_bar, free_bar), mask=key_mask,
+                                  scale=scale)
+      inv, max_logits, lse = _mosaic.sink_epilogue(m, l, load_sink())
+      # Q is done with: its halves stage O (O^T stored transposed).
+      for h, acc in enumerate(accs):
+        o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
+        q_main.at[h].transpose((1, 0))[...] = plgpu.layout_cast(
+            o, plgpu.Layout.WGMMA_TRANSPOSED)
+      stats.at[0, pl.ds(0, heads)][...] = max_logits
+      stats.at[1, pl.ds(0, heads)][...] = lse
+      plgpu.commit_smem()
+      for h in range(2):
+        plgpu.copy_smem_to_gmem(q_main.at[h], o_ref.at[o_rows, pl.ds(h * HALF, HALF)])
+      plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[block])
+      plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[block])
+      plgpu.wait_smem_to_gmem(0)
+      return
 
     acc, m, l = _mosaic.consume_stages(
         plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
         k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
-        shared=(p_stats, p_ready), mask=mask, scale=scale, p_t=p_t)
-    sink = plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
-                      optimized=False)
-    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
+        shared=(p_stats, p_ready), mask=lambda i, slot: key_mask(slot), scale=scale, p_t=p_t)
+    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, load_sink())
     # Both consumers are done with Q: its halves stage O (O^T stored transposed).
     o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
     q_main.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -99,9 +124,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       stats.at[1, pl.ds(0, heads)][...] = lse
 
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[pl.ds(part * tokens * h_pad + r0, heads),
-                                                     pl.ds(wg * HALF, HALF)])
-    block = (part * tokens + t) * lax.axis_size("h") + lax.axis_index("h")
+    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[o_rows, pl.ds(wg * HALF, HALF)])
 
     @pl.when(wg == 0)
     def _():
@@ -120,13 +143,66 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   q_copies.append((sink_ref.at[pl.ds(h0, sink_smem.shape[0])], sink_smem))
   for p in range(config.producers):
 
-    @pl.when(wg == 2 + p)
+    @pl.when(wg == consumers + p)
     def _producer(p=p):
-      _mosaic.set_registers(plgpu, config.producer_registers, 2 + config.producers)
+      _mosaic.set_registers(plgpu, config.producer_registers, warpgroups)
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, base=base, producer=p,
               producers=config.producers)
+
+
+def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barriers, mask,
+                   scale):
+  """The attention loop of a kernel's only consumer warpgroup (``Config(consumers=1)``):
+  every stage's ``S^T = K Q^T``, mask, online softmax down the columns (base 2) and ``O^T
+  += V^T P^T`` over all 512 rows, as two ``[256, heads]`` float32 accumulators. Nothing
+  is shared with another consumer, so there is no hand-off of ``P^T`` and no wait for
+  another warpgroup's max; a stage is freed once its products are done. Returns
+  ``(accs, m, l)`` as :func:`jax_mla._mosaic.consume_stages`."""
+  q_bar, kv_bar, free_bar = barriers
+  num_stages, _, keys, half = k_main.shape
+  rows = q_main.shape[1]
+  col = _mosaic.col_layout(plgpu)
+  zeros = plgpu.layout_cast(jnp.zeros((half, rows), jnp.float32), plgpu.Layout.WGMMA)
+  m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), col)
+  l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), col)
+  plgpu.barrier_wait(q_bar)
+
+  def step(i, carry):
+    accs, m, l = carry
+    slot = lax.rem(i, num_stages)
+    apply_mask = mask(slot)
+    plgpu.barrier_wait(kv_bar.at[slot])
+
+    def qk(s_ref):
+      for h in range(2):
+        plgpu.wgmma(s_ref, k_main.at[slot, h], q_main.at[h].transpose((1, 0)))
+      if q_rope is not None:
+        plgpu.wgmma(s_ref, k_rope.at[slot], q_rope.transpose((1, 0)))
+      return s_ref[...]
+
+    s = apply_mask(pl.run_scoped(qk, plgpu.ACC((keys, rows), jnp.float32)))
+    m_new = jnp.maximum(m, s.max(axis=0) * scale)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no key yet
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [1]))
+    alpha = jnp.exp2(m - m_use)  # 0 while m is -inf (the accumulators are 0 then)
+    l = l * alpha + p.sum(axis=0)
+    p_t.at[slot].transpose((1, 0))[...] = plgpu.layout_cast(
+        p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()  # P^T is read by wgmma (the async proxy)
+
+    def pv(acc_refs):
+      for h in range(2):
+        plgpu.wgmma(acc_refs[h], k_main.at[slot, h].transpose((1, 0)),
+                    p_t.at[slot].transpose((1, 0)))
+
+    accs = pl.run_state(pv)(tuple(
+        plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])) for acc in accs))
+    plgpu.barrier_arrive(free_bar.at[slot])
+    return accs, m_new, l
+
+  return lax.fori_loop(0, steps, step, ((zeros, zeros), m, l))
 
 
 def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
@@ -163,8 +239,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   barriers = (
       plgpu.Barrier(num_arrivals=q_copies),
       plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # stage gathered (producer)
-      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),  # stage free: both consumers
-      plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      plgpu.Barrier(num_arrivals=config.consumers, num_barriers=num_stages),  # stage free
+      plgpu.Barrier(num_arrivals=2),  # both consumers done with the query (two only)
       shared_barrier,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
@@ -183,7 +259,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
           {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid,
-      num_threads=2 + config.producers, thread_name="wg",
+      num_threads=config.consumers + config.producers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q.reshape(tokens * h_pad, d_qk), kernel_sink, *all_indices, *all_rows)
   max_logits, lse = (x[:, :heads].reshape(n * h_pad) for x in (max_logits, lse))
