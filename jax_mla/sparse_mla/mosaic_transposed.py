@@ -13,12 +13,17 @@ on the M side instead and the heads on N (a multiple of 16):
 One CTA takes one query token and a block of at most 32 heads
 (:func:`jax_mla._mosaic.transposed_tiles`); the producer warpgroup and its ring of
 gathered bf16 key stages are the other kernel's
-(:func:`jax_mla.sparse_mla.mosaic_gather.produce`). The consumers take the
-stages in turns as there (:func:`jax_mla._mosaic.consume_stages`): stage ``i``'s
-``S^T`` and softmax run in warpgroup ``i % 2``, which hands ``P^T`` (bf16, its own SMEM
-tile per stage) and the columns' rescale factor to both. The column reductions cross
-the warps of a warpgroup through one shared SMEM scratch, so the softmaxes of the two
-warpgroups are serialised: a warpgroup publishes its stage's max only after its sums.
+(:func:`jax_mla.sparse_mla.mosaic_gather.produce`). By default one consumer warpgroup
+takes every stage (``Config(consumers=1)``, :func:`_consume_alone`): with at most 32
+heads its two ``[256, heads]`` accumulators fit, and the registers it leaves go to a
+second producer (16 heads a CTA), since the gather of random rows sets the pace (H100,
+fp8_ds_mla b128 h16: 211 vs 241-248 us; benchmarks/RESULTS.md, session 21). With two
+consumers they take the stages in turns as the head-block kernel's do
+(:func:`jax_mla._mosaic.consume_stages`): stage ``i``'s ``S^T`` and softmax run in
+warpgroup ``i % 2``, which hands ``P^T`` (bf16, its own SMEM tile per stage) and the
+columns' rescale factor to both. The column reductions cross the warps of a warpgroup
+through one shared SMEM scratch, so the softmaxes of the two warpgroups are serialised:
+a warpgroup publishes its stage's max only after its sums.
 
 ``P^T`` and the output ``O^T`` go to SMEM transposed (``[heads, 64]`` and ``[heads, 256]``
 tiles, the 128-byte-swizzled layout of the ring: wgmma needs both operands' swizzles
