@@ -244,7 +244,8 @@ TRANSPOSED_CONFIGS = {
     "1c1p": mosaic.Config(consumer_registers=256, producer_registers=256, consumers=1),
     "1c2p": mosaic.Config(consumer_registers=184, producer_registers=160, consumers=1,
                           producers=2),
-    "2c1p": mosaic.Config(consumer_registers=176, producer_registers=152)}
+    "2c1p": mosaic.Config(consumer_registers=176, producer_registers=152),
+    "2c2p": mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)}
 
 
 @pytest.mark.parametrize("name", ["1c1p", "1c2p"])
@@ -329,39 +330,11 @@ def test_config_register_rule():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d_qk", [576, 512])
-def test_two_producers(d_qk):
-  """The transposed kernel with two producer warpgroups (Config.producers) and an odd
-  number of steps, so the producers' step counts differ."""
-  rng = np.random.default_rng(7)
-  q, kv, idx = _case(rng, S_Q, 16, d_qk, S_KV, 190)
-  lengths = jnp.asarray([190, 0, 77, 190, 3, 64, 65, 1], jnp.int32)
-  cfg = mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
-  _check(q, kv, idx, topk_length=lengths, config=cfg)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [DECODE_CASES[-4], DECODE_CASES[-5]], ids=["m1-x", "ds"])
-def test_two_producers_decode(case):
-  """Two producers across the main and extra sets (3 + 4 steps: the set boundary falls
-  between the producers' turns) and on one set."""
-  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
-  cfg = mosaic.Config(consumer_registers=168, producer_registers=88, producers=2)
-  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", config=cfg, **kw)
-  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
-  (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
-  assert rel_err(out, r_out) < 1e-2
-  empty = np.isposinf(r_lse)
-  np.testing.assert_array_equal(np.isposinf(lse), empty)
-  np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(TRANSPOSED_CONFIGS))
 @pytest.mark.parametrize(("d_qk", "h_q"), [(576, 16), (512, 16), (576, 32)])
 def test_transposed_configs(d_qk, h_q, name):
   """The transposed kernel's warpgroup splits, lengths from 0 to past topk and an odd
-  number of steps."""
+  number of steps (two producers' step counts differ)."""
   rng = np.random.default_rng(8)
   q, kv, idx = _case(rng, S_Q, h_q, d_qk, S_KV, 190)
   lengths = jnp.asarray([190, 0, 77, 190, 3, 64, 65, 1], jnp.int32)
@@ -372,16 +345,9 @@ def test_transposed_configs(d_qk, h_q, name):
 @pytest.mark.parametrize("name", list(TRANSPOSED_CONFIGS))
 @pytest.mark.parametrize("case", [DECODE_CASES[-4], DECODE_CASES[-5]], ids=["m1-x", "ds"])
 def test_transposed_configs_decode(case, name):
-  """The warpgroup splits across a main and an extra set, and on one set."""
-  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
-  got = sparse_mla_decode(q, cache, idx, implementation="mosaic",
-                          config=TRANSPOSED_CONFIGS[name], **kw)
-  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
-  (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
-  assert rel_err(out, r_out) < 1e-2
-  empty = np.isposinf(r_lse)
-  np.testing.assert_array_equal(np.isposinf(lse), empty)
-  np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
+  """The warpgroup splits across a main and an extra set (two producers: 3 + 4 steps, so
+  the set boundary falls between their turns), and on one set."""
+  _check_decode(case, TRANSPOSED_CONFIGS[name])
 
 
 @pytest.mark.gpu
@@ -393,16 +359,8 @@ def test_pair_setting_decode(case, pair):
   """Config.pair against its per-format default: fp8_ds_mla with the 2-CTA cluster
   (its RoPE columns copied through registers into both CTAs), fp8_model1 without it,
   and h 256 (two clusters per token). The defaults run in test_decode_matches_reference."""
-  q, cache, idx, kw, _ = decode_inputs(sum(case[1:7]), case)
-  cfg = dataclasses.replace(mosaic.default_config(resolve(case[0]), case[3]), pair=pair)
-  got = sparse_mla_decode(q, cache, idx, implementation="mosaic", config=cfg, **kw)
-  ref = sparse_mla_decode(q, cache, idx, implementation="xla", **kw)
-  (out, lse), (r_out, r_lse) = ([np.asarray(x, np.float32) for x in y] for y in (got, ref))
-  assert rel_err(out, r_out) < 1e-2
-  empty = np.isposinf(r_lse)
-  np.testing.assert_array_equal(np.isposinf(lse), empty)
-  np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
-  assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
+  _check_decode(case, dataclasses.replace(mosaic.default_config(resolve(case[0]), case[3]),
+                                          pair=pair))
 
 
 @pytest.mark.parametrize(("fmt", "h_q", "pair"), [
