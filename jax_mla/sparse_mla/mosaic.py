@@ -80,13 +80,12 @@ class Config:
   Attributes:
     num_stages: key stages in the shared-memory ring; 72 KiB query + 2 x 72 KiB key
       stages fill the 227 KiB of SMEM, so 1 or 2.
-    consumer_registers, producer_registers: registers per thread of each of the two
-      consumer warpgroups and of each producer (``setmaxnreg``: multiples of 8 in
-      [24, 256]). ``consumers * consumer + producers * producer`` must be
-      :func:`register_budget` (504 with three warpgroups, 512 with two or four):
-      setmaxnreg only
-      moves registers between warpgroups, and the consumers' increase waits forever
-      for registers nobody frees (a hang seen with 224 / 64).
+    consumer_registers, producer_registers: registers per thread of each consumer
+      warpgroup and of each producer (``setmaxnreg``: multiples of 8 in [24, 256]).
+      ``consumers * consumer + producers * producer`` must be :func:`register_budget`
+      (504 with three warpgroups, 512 with two or four): setmaxnreg only moves
+      registers between warpgroups, and the consumers' increase waits forever for
+      registers nobody frees (a hang seen with 224 / 64).
     producers: producer warpgroups, each gathering every ``producers``-th step (its own
       step's loads in flight); 2 needs ``num_stages`` 2 and the transposed kernel (``h_q``
       up to 32, see :func:`transposed`), whose consumers need fewer registers.
