@@ -87,6 +87,34 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     return plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
                       optimized=False)
 
+  def finish(halves, m, l):
+    """The epilogue once the consumers are done with Q: its halves stage O (O^T stored
+    transposed). This consumer writes the output halves ``halves`` (``(h, acc)``
+    pairs) and the per-head rows it owns: all with one consumer; with two, consumer 0
+    the max logits and consumer 1 the LSE."""
+    owner = (lambda k: lambda f: f()) if consumers == 1 else (lambda k: pl.when(wg == k))
+    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, load_sink())
+    per_head = ((max_logits, ml_ref), (lse, lse_ref))
+    for h, acc in halves:
+      o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
+      q_main.at[h].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
+    for k, (vec, _) in enumerate(per_head):
+
+      @owner(k)
+      def _(k=k, vec=vec):
+        stats.at[k, pl.ds(0, heads)][...] = vec
+
+    plgpu.commit_smem()
+    for h, _ in halves:
+      plgpu.copy_smem_to_gmem(q_main.at[h], o_ref.at[o_rows, pl.ds(h * HALF, HALF)])
+    for k, (_, ref) in enumerate(per_head):
+
+      @owner(k)
+      def _(k=k, ref=ref):
+        plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
+
+    plgpu.wait_smem_to_gmem(0)
+
   @pl.when(wg < consumers)
   def _consumer():
     _mosaic.set_registers(plgpu, config.consumer_registers, warpgroups)
@@ -95,51 +123,14 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
                                   k_main=kv_main, k_rope=kv_rope, p_t=p_t, steps=first[-1],
                                   barriers=(q_bar, kv_bar, free_bar), mask=key_mask,
                                   scale=scale)
-      inv, max_logits, lse = _mosaic.sink_epilogue(m, l, load_sink())
-      # Q is done with: its halves stage O (O^T stored transposed).
-      for h, acc in enumerate(accs):
-        o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
-        q_main.at[h].transpose((1, 0))[...] = plgpu.layout_cast(
-            o, plgpu.Layout.WGMMA_TRANSPOSED)
-      stats.at[0, pl.ds(0, heads)][...] = max_logits
-      stats.at[1, pl.ds(0, heads)][...] = lse
-      plgpu.commit_smem()
-      for h in range(2):
-        plgpu.copy_smem_to_gmem(q_main.at[h], o_ref.at[o_rows, pl.ds(h * HALF, HALF)])
-      plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[block])
-      plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[block])
-      plgpu.wait_smem_to_gmem(0)
-      return
-
-    acc, m, l = _mosaic.consume_stages(
-        plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-        k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
-        shared=(p_stats, p_ready), mask=lambda i, slot: key_mask(slot), scale=scale, p_t=p_t)
-    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, load_sink())
-    # Both consumers are done with Q: its halves stage O (O^T stored transposed).
-    o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
-    q_main.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
-
-    @pl.when(wg == 0)
-    def _():
-      stats.at[0, pl.ds(0, heads)][...] = max_logits
-
-    @pl.when(wg == 1)
-    def _():
-      stats.at[1, pl.ds(0, heads)][...] = lse
-
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[o_rows, pl.ds(wg * HALF, HALF)])
-
-    @pl.when(wg == 0)
-    def _():
-      plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[block])
-
-    @pl.when(wg == 1)
-    def _():
-      plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[block])
-
-    plgpu.wait_smem_to_gmem(0)
+      finish(list(enumerate(accs)), m, l)
+    else:
+      acc, m, l = _mosaic.consume_stages(
+          plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
+          k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
+          shared=(p_stats, p_ready), mask=lambda i, slot: key_mask(slot), scale=scale,
+          p_t=p_t)
+      finish([(wg, acc)], m, l)
 
   rows = pl.ds(r0, heads)
   q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
