@@ -30,7 +30,9 @@ def combine(out_parts, lse_parts, max_parts, sink, *, heads: int):
     out_parts: bf16 ``[S, n, d]``, each part normalised over its own keys; ``d`` a
       multiple of 8 with ``d / 8`` dividing 512, ``n`` a multiple of 8.
     lse_parts, max_parts: float32 ``[S, n]`` natural-log LSE and max logit of each part
-      (``+inf`` or ``-inf`` LSE: a part without keys).
+      (``+inf`` or ``-inf`` LSE: a part without keys); or ``[S, m, pitch]``, rows of
+      ``pitch`` of which the first ``n / m`` are used (a kernel's per-CTA rows, padded
+      for its copies), so that no slice copies them between the two kernels.
     sink: float32 ``[heads]`` attention sinks (row ``r`` is head ``r % heads``;
       ``-inf``: none), or None.
 
@@ -44,11 +46,19 @@ def combine(out_parts, lse_parts, max_parts, sink, *, heads: int):
   if d % _CHUNK or 128 % chunks or (ROWS * chunks) % 128 or n % ROWS:
     raise ValueError(f"combine takes d a multiple of 8 dividing 1024 and n a multiple of "
                      f"{ROWS}; got d={d}, n={n}")
+  # Rows of the parts' stats: ``groups`` of ``pitch`` values, the first ``n / groups`` used.
+  groups, pitch = lse_parts.shape[1:] if lse_parts.ndim == 3 else (1, n)
+  if (lse_parts.shape != max_parts.shape or lse_parts.shape[0] != parts
+      or lse_parts.ndim not in (2, 3) or n % groups or pitch < n // groups
+      or (lse_parts.ndim == 2 and lse_parts.shape[1] != n)):
+    raise ValueError(f"combine takes lse and max parts [S, n] or [S, m, pitch >= n / m]; got "
+                     f"{lse_parts.shape} and {max_parts.shape} for out parts {out_parts.shape}")
   plgpu = _mosaic.plgpu()
   if sink is None:
     sink = jnp.full((heads,), -jnp.inf, jnp.float32)
   reduce = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7)(
-      functools.partial(_combine_rows, parts=parts, n=n, d=d, heads=heads))
+      functools.partial(_combine_rows, parts=parts, n=n, d=d, heads=heads,
+                        stats=(n // groups, groups * pitch, pitch)))
 
   def body(o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref):
     reduce(o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref)
@@ -57,13 +67,15 @@ def combine(out_parts, lse_parts, max_parts, sink, *, heads: int):
               jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32))
   return plgpu.kernel(body, **{_mosaic.out_type_kwarg(plgpu): out_type}, grid=(n // ROWS,),
                       grid_names=("r",))(
-      out_parts.reshape(parts * n, d), lse_parts.reshape(parts * n),
-      max_parts.reshape(parts * n), sink.astype(jnp.float32))
+      out_parts.reshape(parts * n, d), lse_parts.reshape(-1), max_parts.reshape(-1),
+      sink.astype(jnp.float32))
 
 
 def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, *, parts, n,
-                  d, heads):
-  """One thread's rows (inline Mosaic GPU, :mod:`jax_mla._inline`): see :func:`combine`."""
+                  d, heads, stats):
+  """One thread's rows (inline Mosaic GPU, :mod:`jax_mla._inline`): see :func:`combine`.
+  ``stats``: ``(used, part, pitch)``, where row ``r``'s LSE and max of part ``s`` lie in
+  the flat parts: element ``s * part + (r // used) * pitch + r % used``."""
   del ctx
   from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
@@ -81,10 +93,13 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
   chunk = arith.remui(tid, c32(chunks))
   first = arith.addi(arith.muli(_inline.block_x(), c32(ROWS)), arith.divui(tid, c32(chunks)))
   inf, ninf = cf(float("inf")), cf(float("-inf"))
+  used, part, pitch = stats
   for r in range(ROWS * chunks // 128):
     row = arith.addi(first, c32(r * 128 // chunks))
+    stat = row if used == pitch else arith.addi(
+        arith.muli(arith.divui(row, c32(used)), c32(pitch)), arith.remui(row, c32(used)))
     # Weights: a part without keys (+-inf) weighs 0; NaN propagates (maximumf).
-    lses = [_inline.load_f32(at(lse_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
+    lses = [_inline.load_f32(at(lse_in, arith.addi(c32(s * part), stat), 4)) for s in range(parts)]
     lses = [arith.select(eq(v, inf), ninf, v) for v in lses]
     m = lses[0]
     for v in lses[1:]:
@@ -114,7 +129,7 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
     _inline.store_words(at(out, arith.addi(arith.muli(row, c32(chunks)), chunk), 16), packed)
     first_chunk = arith.extui(_inline.int_type(), arith.cmpi(arith.CmpIPredicate.eq, chunk,
                                                             c32(0)))
-    maxes = [_inline.load_f32(at(max_in, arith.addi(c32(s * n), row), 4)) for s in range(parts)]
+    maxes = [_inline.load_f32(at(max_in, arith.addi(c32(s * part), stat), 4)) for s in range(parts)]
     mx = maxes[0]
     for v in maxes[1:]:
       mx = arith.maximumf(mx, v)

@@ -394,10 +394,13 @@ def test_nan_query_row_is_nan():
 
 
 @pytest.mark.gpu
-def test_gpu_mosaic_combine_matches_combine_splits():
+@pytest.mark.parametrize("pitch", [None, 32])
+def test_gpu_mosaic_combine_matches_combine_splits(pitch):
   """The split decodes' Mosaic GPU combine against :func:`combine_splits` with the sinks
   applied as the sparse kernels do: parts without keys (+inf and -inf LSE), a row empty
-  in every part, sinks of -inf, +inf and finite values, four parts."""
+  in every part, sinks of -inf, +inf and finite values, four parts. ``pitch``: the LSE
+  and max parts come as the transposed kernels write them, 16 heads in rows of 32 (NaN
+  in the 16 unused)."""
   from jax_mla import merge_mosaic
   from jax_mla.merge import combine_splits
   if not _mosaic.on_hopper():
@@ -411,8 +414,13 @@ def test_gpu_mosaic_combine_matches_combine_splits():
   mx = rng.standard_normal((parts, n)).astype(np.float32)
   sink = rng.standard_normal(heads).astype(np.float32)
   sink[0], sink[1] = -np.inf, np.inf
+  stats = [lse, mx]
+  if pitch is not None:
+    for k, x in enumerate(stats):
+      stats[k] = np.full((parts, n // heads, pitch), np.nan, np.float32)
+      stats[k][..., :heads] = x.reshape(parts, n // heads, heads)
   got = jax.jit(functools.partial(merge_mosaic.combine, heads=heads))(
-      out, jnp.asarray(lse), jnp.asarray(mx), jnp.asarray(sink))
+      out, *map(jnp.asarray, stats), jnp.asarray(sink))
   want_out, want_lse = combine_splits(out, jnp.asarray(lse), jnp.float32)
   kept = 1 / (1 + np.exp(np.tile(sink, n // heads) - np.asarray(want_lse)))
   want_out = np.asarray(want_out) * np.where(np.isposinf(want_lse), 0, kept)[:, None]

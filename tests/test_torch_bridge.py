@@ -537,18 +537,60 @@ def test_direct_plan_of_sparse_decode_is_one_kernel_on_the_callers_memory():
   assert out2.data_ptr() != out.data_ptr()
 
 
-def test_direct_plan_of_split_decode_keeps_the_parts_per_stream():
-  """A split decode is two launches (the split kernel, the combine); the parts pass
-  between them in buffers kept per stream: the same memory on every call on one stream,
-  other memory on another stream."""
-  plan = _decode_plan(2, 64, 256, num_splits=3)
+def test_direct_plan_pads_without_reading_the_gpu(monkeypatch):
+  """A program that pads a call's tensor (16 heads' sinks, padded to the kernel's row of
+  32 with -inf) reads the padding value once, when the plan is made: a call never takes
+  a value to the host (``.item()`` of a CUDA tensor waits for the GPU)."""
+  pytest.importorskip("absl")
+  from jax_mla.cache.formats import resolve
+  from jax_mla.sparse_mla import api as sparse_api
+  from jax_mla.sparse_mla import mosaic
+  from torch_bridge import _direct
+  fmt, h_q = resolve("fp8_ds_mla"), 16
+  decode = functools.partial(sparse_api._decode, fmt=fmt, extra_fmt=None, sm_scale=0.1, d_v=512,
+                             impl="mosaic", config=mosaic.default_config(fmt, h_q),
+                             interpret=False)
+  s = jax.ShapeDtypeStruct
+  _, block, treedef = _direct.lowered_main(
+      lambda q, c, i, sink: decode(q, c, i, None, None, None, None, sink),
+      [s((2, 1, h_q, 576), jnp.bfloat16), s((4, 64, 656), jnp.uint8), s((2, 1, 128), jnp.int32),
+       s((h_q,), jnp.float32)], None)
+  plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+  [step] = plan.kernels
+  step.kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
+
+  def no_item(self):
+    raise AssertionError("a plan call read a tensor's value on the host")
+
+  rows, launch = [], step.kernel.launch
+
+  def read_sinks(pointers, stream):  # the padded sinks, while the call holds them
+    rows.append(list((ctypes.c_float * 32).from_address(pointers[2])))
+    launch(pointers, stream)
+
+  monkeypatch.setattr(step.kernel, "launch", read_sinks)
+  monkeypatch.setattr(torch.Tensor, "item", no_item)
+  sink = torch.randn(h_q)
+  plan([torch.randn(2, 1, h_q, 576).bfloat16(), torch.zeros(4, 64, 656, dtype=torch.uint8),
+        torch.randint(-1, 256, (2, 1, 128), dtype=torch.int32), sink], 7)
+  [row] = rows
+  assert row[:h_q] == sink.tolist() and row[h_q:] == [-math.inf] * (32 - h_q)
+
+
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_direct_plan_of_split_decode_keeps_the_parts_per_stream(h_q):
+  """A split decode is two launches (the split kernel, the combine) and nothing else (16
+  heads: the combine reads the kernel's padded per-head rows as they are, no slice
+  copies); the parts pass between them in buffers kept per stream: the same memory on
+  every call on one stream, other memory on another stream."""
+  plan = _decode_plan(2, h_q, 256, num_splits=3)
   split, combine = plan.kernels
   assert plan.steps == [split, combine]
   assert [kind for kind, _ in split.buffers] == ["stream"] * 3
   assert [kind for kind, _ in combine.buffers] == ["alloc", "scratch", "alloc"]
   for step in (split, combine):
     step.kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
-  args = [torch.randn(2, 1, 64, 576).bfloat16(), torch.zeros(4, 64, 656, dtype=torch.uint8),
+  args = [torch.randn(2, 1, h_q, 576).bfloat16(), torch.zeros(4, 64, 656, dtype=torch.uint8),
           torch.randint(-1, 256, (2, 1, 256), dtype=torch.int32)]
   for stream in (7, 7, 8):
     plan(args, stream)
@@ -559,9 +601,10 @@ def test_direct_plan_of_split_decode_keeps_the_parts_per_stream():
     assert pointers[:3] == [written[0], written[2], written[1]]
 
 
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_direct_plan_of_dense_decode(num_splits):
-  """``mla_decode_paged`` on Mosaic GPU (128 heads): its kernel, and the combine kernel
+@pytest.mark.parametrize(("num_splits", "h_q"), [(1, 128), (2, 128), (2, 16)])
+def test_direct_plan_of_dense_decode(num_splits, h_q):
+  """``mla_decode_paged`` on Mosaic GPU (128 heads; 16 on the transposed tile, whose
+  padded LSE rows the combine reads as they are): its kernel, and the combine kernel
   when split, with nothing around them (the lengths are clipped in the kernel)."""
   pytest.importorskip("absl")
   from jax_mla.dense_decode import mosaic as dense_mosaic
@@ -571,7 +614,7 @@ def test_direct_plan_of_dense_decode(num_splits):
   _, block, treedef = _direct.lowered_main(
       lambda q, kv, bt, sl: dense_mosaic.paged_decode(q, kv, bt, sl, sm_scale=0.1, causal=False,
                                                       config=config),
-      [s((4, 1, 128, 576), jnp.bfloat16), s((64, 64, 576), jnp.bfloat16), s((4, 16), jnp.int32),
+      [s((4, 1, h_q, 576), jnp.bfloat16), s((64, 64, 576), jnp.bfloat16), s((4, 16), jnp.int32),
        s((4,), jnp.int32)], None)
   plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
   assert plan.steps == plan.kernels and len(plan.kernels) == num_splits

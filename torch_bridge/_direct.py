@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 import weakref
@@ -221,7 +222,9 @@ def _view_op(op):
     if any(_i64s(attrs["interior_padding"])) or min(low + high) < 0:
       raise Unsupported("interior or negative padding")
     pads = [p for lo, hi in zip(reversed(low), reversed(high), strict=True) for p in (lo, hi)]
-    return lambda x, value: torch.nn.functional.pad(x, pads, value=value.item())
+    # ``value``: a Python number (the plan reads the constant once: ``.item()`` of a
+    # device tensor on every call would make the host wait for the GPU).
+    return lambda x, value: torch.nn.functional.pad(x, pads, value=value)
   return None
 
 
@@ -477,11 +480,13 @@ def build(block, treedef, device: torch.device,
       fn = _view_op(op)
       if fn is None or len(op.results) != 1:
         raise Unsupported(f"op {name}")
+      if name == "stablehlo.pad":
+        if operands[1].const is None:
+          raise Unsupported("padding with a computed value")
+        fn, operands = functools.partial(fn, value=operands[1].const.item()), operands[:1]
       if all(v.const is not None for v in operands):  # input-free: computed now
         values[op.result] = _row_major(const=fn(*[v.const for v in operands]).contiguous())
         continue
-      if name == "stablehlo.pad" and operands[1].const is None:
-        raise Unsupported("padding with a computed value")
       src = operands[0]
       in_shape, _ = _tensor_type(op.operation.operands[0])
       if src.dense_source is not None and _keeps_row_major(name, op, in_shape):

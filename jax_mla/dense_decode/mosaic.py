@@ -347,10 +347,10 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       grid=(b, num_splits, tiles), grid_names=("b", "s", "t"), num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
   )(cache_seqlens, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK))
-  lse = lse[..., :rows].reshape(num_splits, b * padded)
   if num_splits == 1:
-    out, lse = out[0], lse[0]
-  else:  # bf16 partials (they are staged in the query's SMEM), float32 merge
+    out, lse = out[0], lse[0, :, :rows]
+  else:  # bf16 partials (they are staged in the query's SMEM), float32 merge; the
+    # combine reads the padded LSE rows as they are (no slice copies between kernels)
     out, _, lse = merge_mosaic.combine(out, lse, lse, None, heads=1)
   out = out.reshape(b, padded, D_NOPE)[:, :q_rows]
   lse = lse.reshape(b, padded)[:, :q_rows]

@@ -258,10 +258,11 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
       num_threads=config.consumers + config.producers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q.reshape(tokens * h_pad, d_qk), kernel_sink, *all_indices, *all_rows)
-  max_logits, lse = (x[:, :heads].reshape(n * h_pad) for x in (max_logits, lse))
-  if num_splits > 1:
+  if num_splits > 1:  # the combine reads the padded rows as they are (no slice copies)
     out, max_logits, lse = merge_mosaic.combine(
-        out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1),
-        max_logits.reshape(num_splits, -1), sink[:h_pad], heads=h_pad)
+        out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1, row),
+        max_logits.reshape(num_splits, -1, row), sink[:h_pad], heads=h_pad)
+  else:
+    max_logits, lse = (x[:, :heads] for x in (max_logits, lse))
   return (out.reshape(tokens, h_pad, D_MAIN)[:, :h_q],
           max_logits.reshape(tokens, h_pad)[:, :h_q], lse.reshape(tokens, h_pad)[:, :h_q])
