@@ -363,6 +363,29 @@ def test_pair_setting_decode(case, pair):
                                           pair=pair))
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_model1", "fp8_v41", "fp4_v41"])
+def test_early_loads_lower(fmt):
+  """16 heads (two producers at 160 registers): each quantized format's row loads go out
+  as an asm of their own, issued before the producer waits for the slot (its valid
+  flag is operand n + 2, after the n loaded words), and the whole decode, with an
+  extra set and lengths, lowers for CUDA; runs without a GPU."""
+  from jax_mla.cache.formats import kv_cache_shape, kv_cache_storage_dtype
+  from jax_mla.sparse_mla import mosaic_gather
+  f = resolve(fmt)
+  config = mosaic.default_config(f, 16)
+  assert config.producers == 2 and config.producer_registers >= mosaic_gather.EARLY_MIN_REGISTERS
+  d_qk = 576 if fmt == "fp8_ds_mla" else 512
+  s = jax.ShapeDtypeStruct
+  cache = s(kv_cache_shape(8, 64, d_qk, fmt), kv_cache_storage_dtype(fmt))
+  text = lowers_for_cuda(
+      lambda q, c, idx, n, e_idx: mosaic.sparse_decode(
+          q, [(c, idx, n), (c, e_idx, n)], None, fmts=(f, f), sm_scale=0.1, config=config),
+      s((4, 16, d_qk), jnp.bfloat16), cache, s((4, 256), jnp.int32), s((4,), jnp.int32),
+      s((4, 128), jnp.int32)).as_text()
+  words = len(mosaic_gather._dequant_asm(f, 0).loaded)
+  assert f"setp.ne.b32 p0, ${words + 2}, 0;" in text
+
+
 @pytest.mark.parametrize(("fmt", "h_q", "pair"), [
     ("fp8_model1", 128, True), ("fp8_v41", 256, True), ("fp4_v41", 128, True),
     ("fp8_ds_mla", 128, False), ("fp8_model1", 64, False), (None, 128, False)])

@@ -15,10 +15,13 @@ It also writes each row's validity next to the stage. A decode with an extra key
 (DeepSeek V4) gathers the main set's steps, then the extra set's, into the same ring:
 the consumers see one longer run of keys. Each step's indices were staged in SMEM by
 the step before (``cp.async``), so only the rows' loads wait on memory (1.14x on the
-fp8_ds_mla b128 h128 row). Each set has its own format (V4.1 pairs an ``fp8_v41``
-main set with an ``fp4_v41`` extra set). The quantized rows are read at the offsets
-of the formats' layout objects (:mod:`jax_mla.cache.ds_mla`,
-:mod:`jax_mla.cache.model1`, :class:`jax_mla.cache.layout.TileScaled`).
+fp8_ds_mla b128 h128 row). Where a producer has the registers (two producers at 16 heads
+a CTA), it issues a step's quantized row loads before it waits for the step's slot to be
+free, and dequantizes once the slot is (``gather_fn(early=True)``). Each set has its
+own format (V4.1 pairs an ``fp8_v41`` main set with an ``fp4_v41`` extra set). The
+quantized rows are read at the offsets of the formats' layout objects
+(:mod:`jax_mla.cache.ds_mla`, :mod:`jax_mla.cache.model1`,
+:class:`jax_mla.cache.layout.TileScaled`).
 
 The two head-block CTAs of one token may run as a 2-CTA cluster (``pair``): each
 producer then gathers half of every step's rows and stores them into both CTAs' stages
@@ -35,6 +38,7 @@ length into ``-1`` (:func:`clean_indices`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -57,6 +61,9 @@ HALF = 256  # columns of one half of the 512 main columns (wgmma N <= 256)
 D_MAIN = 512  # columns held as two 256-wide halves: V, and K's NoPE part
 TILE = 64  # bf16 columns in one 128-byte swizzled tile row
 THREADS_PER_ROW = TILE * 2 // 16  # 16-byte copies per tile row
+# A producer's registers for early loads (:func:`gather_fn`): a step's loaded words (80
+# for fp8_ds_mla) held across the wait, beside the gather's addresses.
+EARLY_MIN_REGISTERS = 160
 
 
 def dequantized(fmt: Format | None) -> bool:
@@ -72,12 +79,12 @@ def clean_indices(indices, lengths, num_slots):
   return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
-def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False):
+def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
   ``fmts``: ``(gathers, lengths[num_sets, T] (:func:`first_steps` clips them to [0,
   topk]), indices (cleaned where ``topk`` is not a multiple of 64), cache rows)``.
-  ``pair``: see :func:`gather_fn`."""
+  ``pair``: see :func:`gather_fn`; ``early``: its early loads for the quantized sets."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
@@ -96,7 +103,7 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False):
     all_rows.append(cache.reshape(num_slots, width))
     gathers.append(gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
                              row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair,
-                             masked=masked))
+                             masked=masked, early=early and dequantized(fmt)))
   return tuple(gathers), jnp.stack(all_lengths), all_indices, all_rows
 
 
@@ -185,9 +192,14 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
 
   for k, (gather_fn_k, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
                                                         strict=True)):
-    masked = gather_fn_k.masked
-    gather = plgpu.inline_mgpu(arg_types=arg_types + (plgpu.RefType(),) * (3 * masked))(
+    masked, early = gather_fn_k.masked, gather_fn_k.early
+    words = (_words_layout(gather_fn_k.words),) if early else ()
+    gather = plgpu.inline_mgpu(arg_types=words + arg_types + (plgpu.RefType(),) * (3 * masked))(
         gather_fn_k)
+    load = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),) * (2 + 3 * masked),
+        return_type=plgpu.ShapeDtypeStruct((128 * gather_fn_k.words,), jnp.int32,
+                                           layout=words[0]))(gather_fn_k.load) if early else None
     offset = (0 if base is None else base[k]) - first[k]  # step i reads block i + offset
     start = first[k] + lax.rem(producer - lax.rem(first[k], producers) + producers, producers)
     # The set's first step of this producer reads indices staged here (a producer with
@@ -197,7 +209,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     stage(idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)], staged(start))
 
     @pl.loop(start, first[k + 1], step=producers)
-    def _(i, k=k, gather=gather, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset, masked=masked):
+    def _(i, k=k, gather=gather, load=load, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset,
+          masked=masked):
       slot = lax.rem(i, num_stages)
 
       # This producer's previous step landed while the consumers worked: publish it
@@ -207,6 +220,14 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       def _():
         ready(i - producers)
 
+      # A masked gather also gets its step's and its row's first index blocks (their
+      # distance is the step's position in the row) and the token's length.
+      where = ((idx_ref.at[t, pl.ds((i + offset) * BLOCK_K, BLOCK_K)],
+                idx_ref.at[t, pl.ds(0, BLOCK_K)], len_ref.at[k, pl.ds(t, 1)])
+               if masked else ())
+      # Early loads: the rows are on their way while the slot's reader finishes.
+      words = () if load is None else (load(kv_ref, staged(i), *where),)
+
       @pl.when(i >= num_stages)
       def _():
         plgpu.barrier_wait(free_bar.at[slot])
@@ -214,12 +235,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       # The set's last step has no next: it restages its own indices (same values).
       has_next = (i + producers < first[k + 1]).astype(jnp.int32)
       nxt = i + offset + producers * has_next
-      # A masked gather also gets its step's and its row's first index blocks (their
-      # distance is the step's position in the row) and the token's length.
-      where = ((idx_ref.at[t, pl.ds((i + offset) * BLOCK_K, BLOCK_K)],
-                idx_ref.at[t, pl.ds(0, BLOCK_K)], len_ref.at[k, pl.ds(t, 1)])
-               if masked else ())
-      gather(idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
+      gather(*words, idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
              kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next),
              *(() if pair is None else (pair.at[slot],)), *where)
 
@@ -232,7 +248,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
-              d_qk: int, pair: bool = False, masked: bool = False):
+              d_qk: int, pair: bool = False, masked: bool = False, early: bool = False):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
@@ -254,8 +270,13 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   left zero, marked invalid): the gather then takes three more refs, its step's and its
   row's first 64 indices (in GMEM; only their addresses are used) and the token's
   length (``[1]`` int32, as given: a negative one refuses every row).
+
+  ``early`` (quantized formats, no ``pair``): the step's row loads are a function of
+  their own, ``gather.load(ctx, kv_ref, staged_ref, *masked_refs)``, which returns the
+  loaded words (``gather.words`` int32 a thread, a ``WG_STRIDED`` array), so the
+  producer issues them before it waits for the stage to be free; the gather then takes
+  the words as its first argument and only dequantizes and stores.
   """
-  from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -264,74 +285,31 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   rows_per_thread = BLOCK_K // groups // (1 + pair)
   if pair and not dequantized(fmt):
     raise ValueError("a CTA pair shares only dequantized rows (bf16 rows are cp.async copies)")
+  if early and (pair or not dequantized(fmt)):
+    raise ValueError("early loads are for quantized rows without a CTA pair")
+  row_asm = functools.partial(_dequant_asm, fmt) if dequantized(fmt) else None
 
   # Bytes the peer of a pair stores into a stage: its 32 rows' columns and validity.
   peer_bytes = BLOCK_K // 2 * (2 * max(d_qk, D_MAIN) + 4)
 
-  def gather(ctx, next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
-             *extra_refs):
-    """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
-    set's prologue, :func:`stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
-    step's indices in GMEM and where to stage them (``cp.async``, waited for with the
-    step's copies): the index loads leave the steps' critical path. ``extra_refs``: the
-    slot's pair mbarrier (pair only), then the ``masked`` refs."""
-    del ctx
-    pair_ref = extra_refs[0] if pair else None
-    i32 = ir.IntegerType.get_signless(32)
-    i64 = ir.IntegerType.get_signless(64)
-    i8 = ir.IntegerType.get_signless(8)
-    index = ir.IndexType.get()
-    void = ir.Type.parse("!llvm.void")
-    c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
-    c64 = lambda v: mgpu.c(v, i64)  # noqa: E731
-    at = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)  # noqa: E731
+  def place():
+    """``(tid, lane, group, first_row)``: this thread's 16-byte piece of a 128-byte tile
+    row, its row group and its first row (a pair's CTA ``r`` takes rows ``32 r + ...``)."""
+    c32 = _inline.const
     tid = arith.remui(mgpu.thread_idx(), c32(128))
-    lane = arith.andi(tid, c32(THREADS_PER_ROW - 1))  # 16-byte piece of a 128-byte tile row
     group = arith.shrui(tid, c32(3))
-    kv_base = _inline.global_ptr(kv_ref)
-    main_base = mgpu_utils.memref_ptr(main_ref)
-    rope_base = mgpu_utils.memref_ptr(rope_ref)
-    if pair:  # this stage's phase of the pair mbarrier: the peer's bytes, one arrival
-      bar = mgpu_utils.memref_ptr(pair_ref)
-      llvm.inline_asm(void, [bar, tid],
-                      "{.reg .pred p; setp.eq.u32 p, $1, 0; "
-                      f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {peer_bytes};}}",
-                      "r,r", has_side_effects=True)
-      peer_bar = _peer(bar)
-
-    # A thread's rows differ by 16 = two 8-row tiles, so they share the swizzle
-    # (row % 8 == group % 8) and sit a fixed stride apart in the stage. A pair's CTA r
-    # takes rows 32 r + (group, group + 16).
-    r8 = arith.andi(group, c32(7))
     first_row = arith.addi(group, arith.muli(_cluster_rank(), c32(32))) if pair else group
-    first_tile_row = arith.shrui(first_row, c32(3))
+    return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, first_row
 
-    def dst(buf, tiles_per_row, col_tile, chunk):
-      """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
-      in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
-      tile = arith.addi(arith.muli(first_tile_row, c32(tiles_per_row)), col_tile)
-      off = arith.addi(arith.muli(tile, c32(8 * 128)),
-                       arith.addi(arith.muli(r8, c32(128)),
-                                  arith.muli(arith.xori(chunk, r8), c32(16))))
-      return at(buf, off)
-
-    row_stride = (groups // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
-    rope_stride = (groups // 8) * 8 * 128
-
-    def main_dst(col_tile: int, chunk):  # main_ref: [2 halves][8 row tiles][4 col tiles][8][64]
-      half, col_tile = divmod(col_tile, HALF // TILE)
-      return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
-
+  def locate(kv_ref, staged_ref, first_row, masked_refs):
+    """This thread's rows of the step, whose indices ``staged_ref`` holds: ``(rows,
+    oks, row addresses, scale addresses (Model1) or None)``."""
+    i32, i64, c32, c64, at = _i32(), _i64(), _inline.const, _c64, _inline.at
+    kv_base = _inline.global_ptr(kv_ref)
     thread_rows = [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
-    idxs = [memref.load(staged_ref, [arith.index_cast(index, row)]) for row in thread_rows]
-    next_src = _inline.global_ptr(next_idx_ref)
-    next_dst = mgpu_utils.memref_ptr(next_staged_ref)
-    for row in thread_rows:
-      off = arith.muli(row, c32(4))
-      llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
-                      "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
+    idxs = [memref.load(staged_ref, [arith.index_cast(_index(), row)]) for row in thread_rows]
     if masked:  # rows at or past this many are refused
-      step_ref, row_ref, len_ref = extra_refs[-3:]
+      step_ref, row_ref, len_ref = masked_refs
       address = lambda ref: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref))  # noqa: E731
       position = arith.trunci(i32, arith.divui(arith.subi(address(step_ref), address(row_ref)),
                                                c64(4)))
@@ -354,7 +332,97 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                                               c64(fmt.scale_region(block_size)))))
       else:  # rows are contiguous across blocks
         rows.append(at(kv_base, arith.muli(arith.extui(i64, slot), c64(row_bytes))))
+        scales.append(None)
       oks.append(ok)
+    return thread_rows, oks, rows, scales
+
+  def sources(rows, scales, lane):
+    """Per row, the addresses of this thread's quantized bytes and of the row's scales:
+    ``fp8_ds_mla``, bytes [lane*16, +16) of each 128-value tile; ``fp8_model1``, [lane*8,
+    +8) of each 64-value tile; ``fp8_v41`` / ``fp4_v41``, chunk ``lane`` of each column
+    tile (the dequantizing part of :func:`gather` says where each goes)."""
+    at, c32 = _inline.at, _inline.const
+    if isinstance(fmt, DsMla):
+      lane16 = arith.extui(_i64(), arith.muli(lane, c32(16)))
+      return [(at(row, lane16), at(row, _c64(fmt.scale_offset))) for row in rows]
+    if isinstance(fmt, Model1):
+      lane8 = arith.extui(_i64(), arith.muli(lane, c32(8)))
+      return [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
+    lane_bytes = arith.extui(_i64(), arith.muli(lane, c32(fmt.bits)))
+    return [(at(row, lane_bytes), at(row, _c64(fmt.data_bytes))) for row in rows]
+
+  def load(ctx, kv_ref, staged_ref, *masked_refs):
+    """``early``: issues this thread's loads of the step's rows; returns the words."""
+    del ctx
+    i32 = _i32()
+    _, lane, _, first_row = place()
+    _, oks, rows, scales = locate(kv_ref, staged_ref, first_row, masked_refs)
+    parts = row_asm(0)
+    n = len(parts.loaded)
+    words = []
+    for (data, scale), ok in zip(sources(rows, scales, lane), oks, strict=True):
+      out = llvm.inline_asm(_inline.struct(*["i32"] * n), [data, scale, arith.extui(i32, ok)],
+                            parts.load_only(), ",".join(["=r"] * n + ["l", "l", "r"]),
+                            has_side_effects=True)  # issued here, not after the wait
+      words += _inline.fields(out, i32, n)
+    return _words_array(words)
+
+  def gather(ctx, *args):
+    """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
+    set's prologue, :func:`stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
+    step's indices in GMEM and where to stage them (``cp.async``, waited for with the
+    step's copies): the index loads leave the steps' critical path. ``extra_refs``: the
+    slot's pair mbarrier (pair only), then the ``masked`` refs. ``early``: the words of
+    ``gather.load`` come first."""
+    del ctx
+    words, args = (_words_of(args[0]), args[1:]) if early else (None, args)
+    (next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
+     *extra_refs) = args
+    pair_ref = extra_refs[0] if pair else None
+    i32, i64, index, void = _i32(), _i64(), _index(), _inline.void()
+    c32, c64, at = _inline.const, _c64, _inline.at
+    tid, lane, group, first_row = place()
+    main_base = mgpu_utils.memref_ptr(main_ref)
+    rope_base = mgpu_utils.memref_ptr(rope_ref)
+    if pair:  # this stage's phase of the pair mbarrier: the peer's bytes, one arrival
+      bar = mgpu_utils.memref_ptr(pair_ref)
+      llvm.inline_asm(void, [bar, tid],
+                      "{.reg .pred p; setp.eq.u32 p, $1, 0; "
+                      f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {peer_bytes};}}",
+                      "r,r", has_side_effects=True)
+      peer_bar = _peer(bar)
+
+    # A thread's rows differ by 16 = two 8-row tiles, so they share the swizzle
+    # (row % 8 == group % 8) and sit a fixed stride apart in the stage. A pair's CTA r
+    # takes rows 32 r + (group, group + 16).
+    r8 = arith.andi(group, c32(7))
+    first_tile_row = arith.shrui(first_row, c32(3))
+
+    def dst(buf, tiles_per_row, col_tile, chunk):
+      """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
+      in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
+      tile = arith.addi(arith.muli(first_tile_row, c32(tiles_per_row)), col_tile)
+      off = arith.addi(arith.muli(tile, c32(8 * 128)),
+                       arith.addi(arith.muli(r8, c32(128)),
+                                  arith.muli(arith.xori(chunk, r8), c32(16))))
+      return at(buf, off)
+
+    row_stride = (groups // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
+    rope_stride = (groups // 8) * 8 * 128
+
+    def main_dst(col_tile: int, chunk):  # main_ref: [2 halves][8 row tiles][4 col tiles][8][64]
+      half, col_tile = divmod(col_tile, HALF // TILE)
+      return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
+
+    thread_rows, oks, rows, scales = locate(kv_ref, staged_ref, first_row,
+                                            extra_refs[-3:] if masked else ())
+    next_src = _inline.global_ptr(next_idx_ref)
+    next_dst = mgpu_utils.memref_ptr(next_staged_ref)
+    for row in thread_rows:
+      off = arith.muli(row, c32(4))
+      llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
+                      "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
+    for row, ok in zip(thread_rows, oks, strict=True):
       memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
       if pair:  # lane 0's copy alone is counted
         valid_at = at(mgpu_utils.memref_ptr(valid_ref), arith.muli(row, c32(4)))
@@ -399,35 +467,86 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
         ct = arith.addi(col_tile, c32(2 * k - half * (HALF // TILE)))
         for c in (chunk, arith.addi(chunk, c32(1))):
           dsts.append(at(dst(main_base, HALF // TILE, ct, c), c32(half * BLOCK_K * HALF * 2)))
-      sources = [(at(row, lane16), at(row, c64(fmt.scale_offset))) for row in rows]
     elif isinstance(fmt, Model1):
       # Thread `lane` holds bytes [lane*8, +8) of each 64-value scale tile k: bf16
       # column tile k, 16-byte chunk `lane`.
       dsts = [main_dst(k, lane) for k in range(fmt.num_tiles)]
-      lane8 = arith.extui(i64, arith.muli(lane, c32(8)))
-      sources = [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
     elif isinstance(fmt, TileScaled):
       # Thread `lane` holds the 16-byte chunk `lane` (8 values) of every bf16 column
       # tile k, as with Model1: ``fmt.bits`` value bytes at k * 64 * bits / 8 + lane *
       # bits, scaled by scale byte (k * 64 + lane * 8) // fmt.tile. The asm takes the
       # lane's part of that byte's bit offset in the row's scale words.
       dsts = [main_dst(k, lane) for k in range(D_MAIN // TILE)]
-      lane_bytes = arith.extui(i64, arith.muli(lane, c32(fmt.bits)))
-      sources = [(at(row, lane_bytes), at(row, c64(fmt.data_bytes))) for row in rows]
       lane_shift = [arith.muli(arith.divui(arith.muli(lane, c32(8)), c32(fmt.tile)), c32(8))]
     if dequantized(fmt):
       extra = lane_shift if isinstance(fmt, TileScaled) else []
       peer_dsts = [_peer(d) for d in dsts] if pair else []
-      for r, ((data, scale), ok) in enumerate(zip(sources, oks, strict=True)):
+      for r, ((data, scale), ok) in enumerate(zip(sources(rows, scales, lane), oks,
+                                                  strict=True)):
         operands = [data, scale, arith.extui(i32, ok), *extra, *dsts, *peer_dsts,
                     *([peer_bar] if pair else [])]
-        llvm.inline_asm(void, operands, _dequant_asm(fmt, r * row_stride, pair),
-                        ",".join(["l", "l"] + ["r"] * (len(operands) - 2)),
+        parts = row_asm(r * row_stride, pair)
+        if early:  # the row's words, loaded by ``load``, follow the operands
+          n = len(parts.loaded)
+          text = parts.compute_only(len(operands))
+          operands += words[r * n:(r + 1) * n]
+        else:
+          text = parts.fused()
+        llvm.inline_asm(void, operands, text, ",".join(["l", "l"] + ["r"] * (len(operands) - 2)),
                         has_side_effects=True)
     llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
 
   gather.masked = masked
+  gather.early = early
+  gather.load = load
+  gather.words = rows_per_thread * len(row_asm(0).loaded) if early else 0
   return gather
+
+
+# Types and constants of inline bodies (call inside one: they need its MLIR context).
+def _i32():
+  return _inline.int_type(32)
+
+
+def _i64():
+  return _inline.int_type(64)
+
+
+def _index():
+  from jax._src.lib.mlir import ir
+  return ir.IndexType.get()
+
+
+def _c64(value: int):
+  return _inline.const(value, 64)
+
+
+def _words_layout(count: int):
+  """The Pallas layout of ``count`` int32 words per thread of a warpgroup."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.Layout.WG_STRIDED((128 * count,), vec_size=1)
+
+
+def _words_array(words):
+  """i32 values -> a ``WG_STRIDED`` int32 array holding them, one register each (how
+  ``gather.load`` hands its words to the gather through Pallas)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import vector
+  from jax.experimental.mosaic import gpu as mgpu
+  vec = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
+  regs = np.empty((len(words),), dtype=object)
+  for k, w in enumerate(words):
+    regs[k] = vector.broadcast(vec, w)
+  return mgpu.FragmentedArray(_registers=regs, _layout=_words_layout(len(words)).to_mgpu(),
+                              _is_signed=True)
+
+
+def _words_of(array):
+  """The i32 values of a :func:`_words_array` array, in order."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import vector
+  return [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+          for r in array.registers.flat]
 
 
 def stage_fn(ctx, idx_ref, staged_ref, *, pair: bool = False):
@@ -528,13 +647,53 @@ def _stores(operand: int, row_offset: int, regs: str, pair: bool, num_dsts: int,
   return lines
 
 
-def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int, pair: bool = False) -> str:
+@dataclasses.dataclass(frozen=True)
+class _RowAsm:
+  """One row's dequantizing PTX (:func:`_dequant_asm`) in parts: register ``decls``;
+  ``loads`` of the row's bytes into the registers ``loaded``, predicated on ``p0`` and
+  addressed at ``%DATA`` / ``%SCALE``; ``compute``, the rest, which reads the fused
+  operands from ``$3`` on. Joined whole (:meth:`fused`) or split at the loads
+  (:meth:`load_only`, :meth:`compute_only`: ``gather_fn(early=True)``)."""
+  decls: tuple[str, ...]
+  loaded: tuple[str, ...]
+  loads: tuple[str, ...]
+  compute: tuple[str, ...]
+
+  def fused(self) -> str:
+    """Operands: data address, scale address, valid, then the compute's."""
+    return _braced(self.decls + ("setp.ne.b32 p0, $2, 0;",) + self._fill("$0", "$1")
+                   + self.compute)
+
+  def load_only(self) -> str:
+    """Outputs ``$0 .. $n-1``: the loaded words (zero for an invalid row); inputs
+    ``$n`` data address, ``$n+1`` scale address, ``$n+2`` valid."""
+    n = len(self.loaded)
+    return _braced((".reg .pred p0;", f".reg .b32 {', '.join(self.loaded)};",
+                    f"setp.ne.b32 p0, ${n + 2}, 0;") + self._fill(f"${n}", f"${n + 1}")
+                   + tuple(f"mov.b32 ${k}, {r};" for k, r in enumerate(self.loaded)))
+
+  def compute_only(self, first_word: int) -> str:
+    """The fused operands (data, scale and valid unused), then the loaded words from
+    operand ``first_word`` on."""
+    return _braced(self.decls + tuple(f"mov.b32 {r}, ${first_word + k};"
+                                      for k, r in enumerate(self.loaded)) + self.compute)
+
+  def _fill(self, data: str, scale: str) -> tuple[str, ...]:
+    return tuple(f"mov.b32 {r}, 0;" for r in self.loaded) + tuple(
+        line.replace("%DATA", data).replace("%SCALE", scale) for line in self.loads)
+
+
+def _braced(lines) -> str:
+  return "\n".join(("{",) + tuple(lines) + ("}",))
+
+
+def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int, pair: bool = False) -> _RowAsm:
   """PTX that dequantizes one row's share of one thread and stores it as bf16.
 
-  Operands: data address, scale address, valid, then the shared addresses of the
-  thread's 16-byte bf16 pieces in its first row (``row_offset`` bytes are added),
-  then (``pair``) the same addresses in the peer CTA, stored to as well.
-  An invalid row loads nothing: zeros.
+  Operands (:meth:`_RowAsm.fused`): data address, scale address, valid, then the
+  shared addresses of the thread's 16-byte bf16 pieces in its first row (``row_offset``
+  bytes are added), then (``pair``) the same addresses in the peer CTA, stored to as
+  well. An invalid row loads nothing: zeros.
 
   - ``"fp8_ds_mla"``: 4 x 16 fp8 bytes (one piece of each 128-value tile, 128 bytes
     apart) and the row's 4 float32 scales; 8 stores (lo/hi half of each piece).
@@ -548,16 +707,17 @@ def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int, pair: bool =
   ds_mla = isinstance(fmt, DsMla)
   # A thread holds 1/8 of each tile (8 threads per 128-byte row): tile / 32 words.
   words, tiles, tile_bytes = fmt.tile // (4 * THREADS_PER_ROW), fmt.num_tiles, fmt.tile
-  lines = ["{", ".reg .pred p0;", f".reg .b32 x<{words * tiles}>, o<8>, c<2>, t<2>;",
-           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s<4>;", "setp.ne.b32 p0, $2, 0;"]
+  decls = (".reg .pred p0;", f".reg .b32 x<{words * tiles}>, o<8>, c<2>, t<2>;",
+           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s<4>;")
   # The row's scales as loaded: 4 float32 (ds_mla), or 8 UE8M0 bytes in two words.
   scale_regs = ([f"s{i}" for i in range(fmt.num_tiles)] if ds_mla
                 else [f"t{i}" for i in range(fmt.scale_bytes // 4)])
-  lines += [f"mov.b32 {r}, 0;" for r in [f"x{i}" for i in range(words * tiles)] + scale_regs]
+  loads = []
   for k in range(tiles):
     xs = ", ".join(f"x{words * k + i}" for i in range(words))
-    lines.append(f"@p0 ld.global.nc.v{words}.b32 {{{xs}}}, [$0+{tile_bytes * k}];")
-  lines.append(f"@p0 ld.global.nc.v{len(scale_regs)}.b32 {{{', '.join(scale_regs)}}}, [$1];")
+    loads.append(f"@p0 ld.global.nc.v{words}.b32 {{{xs}}}, [%DATA+{tile_bytes * k}];")
+  loads.append(f"@p0 ld.global.nc.v{len(scale_regs)}.b32 {{{', '.join(scale_regs)}}}, [%SCALE];")
+  lines = []
   for k in range(tiles):
     scale = f"s{k}"
     if not ds_mla:  # UE8M0: the code is the float32 exponent field of the scale
@@ -570,8 +730,8 @@ def _dequant_asm(fmt: DsMla | Model1 | TileScaled, row_offset: int, pair: bool =
       operand = 3 + (words // 2) * k + piece
       o = ", ".join(f"o{4 * piece + i}" for i in range(4))
       lines += _stores(operand, row_offset, f"{{{o}}}", pair, (words // 2) * tiles, 3)
-  lines.append("}")
-  return "\n".join(lines)
+  return _RowAsm(decls, tuple(f"x{i}" for i in range(words * tiles)) + tuple(scale_regs),
+                 tuple(loads), tuple(lines))
 
 
 def _fp8_to_bf16x2(word: str, scale: str, outs: tuple[str, str]) -> list[str]:
@@ -597,7 +757,7 @@ def _e2m1_tables() -> tuple[int, int, int, int]:
   return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
 
 
-def _tile_scaled_asm(fmt: TileScaled, row_offset: int, pair: bool = False) -> str:
+def _tile_scaled_asm(fmt: TileScaled, row_offset: int, pair: bool = False) -> _RowAsm:
   """PTX for one row of an ``fp8_v41`` / ``fp4_v41`` cache (see :func:`_dequant_asm`).
 
   Operands: data address (lane's bytes of column tile 0), scale address, valid, the
@@ -619,21 +779,21 @@ def _tile_scaled_asm(fmt: TileScaled, row_offset: int, pair: bool = False) -> st
   per_tile = TILE // fmt.tile  # scale bytes of one column tile: 2 or 4
   xs = [f"x{i}" for i in range(words * tiles)]
   ts = [f"t{i}" for i in range(scale_words)]
-  lines = ["{", ".reg .pred p0;",
-           f".reg .b32 {', '.join(xs + ts)}, o<4>, c<2>, sc;",
-           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s0;", "setp.ne.b32 p0, $2, 0;"]
+  decls = [".reg .pred p0;", f".reg .b32 {', '.join(xs + ts)}, o<4>, c<2>, sc;",
+           ".reg .b16 lo16, hi16, e<4>;", ".reg .f32 f<4>, s0;"]
+  lines = []
   if fp4:
-    lines += [".reg .b32 tab<4>, tl, th, sg, sa, sb, m16, m15;"]
+    decls += [".reg .b32 tab<4>, tl, th, sg, sa, sb, m16, m15;"]
     lines += [f"mov.b32 tab{i}, {w:#x};" for i, w in enumerate(_e2m1_tables())]
     lines += ["mov.b32 m16, 0xffff;", "mov.b32 m15, 0x80008000;"]
-  lines += [f"mov.b32 {r}, 0;" for r in xs + ts]
   load = "ld.global.nc.b32" if words == 1 else f"ld.global.nc.v{words}.b32"
+  loads = []
   for k in range(tiles):
     regs = ", ".join(xs[words * k:words * (k + 1)])
-    lines.append(f"@p0 {load} {{{regs}}}, [$0+{k * TILE * fmt.bits // 8}];"
-                 if words > 1 else f"@p0 {load} {regs}, [$0+{k * TILE * fmt.bits // 8}];")
+    loads.append(f"@p0 {load} {{{regs}}}, [%DATA+{k * TILE * fmt.bits // 8}];"
+                 if words > 1 else f"@p0 {load} {regs}, [%DATA+{k * TILE * fmt.bits // 8}];")
   for w in range(0, scale_words, 4):
-    lines.append(f"@p0 ld.global.nc.v4.b32 {{{', '.join(ts[w:w + 4])}}}, [$1+{4 * w}];")
+    loads.append(f"@p0 ld.global.nc.v4.b32 {{{', '.join(ts[w:w + 4])}}}, [%SCALE+{4 * w}];")
   for k in range(tiles):
     byte = k * per_tile  # the tile's first scale byte; the lane adds $3 bits
     lines += [f"shr.b32 c0, t{byte // 4}, $3;", f"bfe.u32 c0, c0, {8 * (byte % 4)}, 8;"]
@@ -662,8 +822,7 @@ def _tile_scaled_asm(fmt: TileScaled, row_offset: int, pair: bool = False) -> st
       for i in range(words):
         lines += _fp8_to_bf16x2(xs[words * k + i], "s0", (f"o{2 * i}", f"o{2 * i + 1}"))
     lines += _stores(4 + k, row_offset, "{o0, o1, o2, o3}", pair, tiles, 4)
-  lines.append("}")
-  return "\n".join(lines)
+  return _RowAsm(tuple(decls), tuple(xs + ts), tuple(loads), tuple(lines))
 
 
 def wait_copies_fn(ctx):

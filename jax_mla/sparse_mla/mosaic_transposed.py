@@ -44,6 +44,7 @@ from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
   D_MAIN,
+  EARLY_MIN_REGISTERS,
   HALF,
   TILE,
   first_steps,
@@ -207,7 +208,11 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   tokens, h_q, d_qk = q.shape
   blocks, heads = _mosaic.transposed_tiles(h_q)
   h_pad = blocks * heads
-  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk)
+  # Two producers (16 heads a CTA) issue a step's quantized row loads before they wait
+  # for its slot: fp8_ds_mla b128 h16 220 -> 208 us, fp8_model1 h16 187 -> 175 us (H100,
+  # benchmarks/RESULTS.md, session 22). One producer (32 heads) gained nothing.
+  early = config.producers > 1 and config.producer_registers >= EARLY_MIN_REGISTERS
+  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, early=early)
   sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
           else attn_sink.astype(jnp.float32))
   q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
