@@ -46,11 +46,14 @@ def combine(out_parts, lse_parts, max_parts, sink, *, heads: int):
   if d % _CHUNK or 128 % chunks or (ROWS * chunks) % 128 or n % ROWS:
     raise ValueError(f"combine takes d a multiple of 8 dividing 1024 and n a multiple of "
                      f"{ROWS}; got d={d}, n={n}")
-  # Rows of the parts' stats: ``groups`` of ``pitch`` values, the first ``n / groups`` used.
-  groups, pitch = lse_parts.shape[1:] if lse_parts.ndim == 3 else (1, n)
-  if (lse_parts.shape != max_parts.shape or lse_parts.shape[0] != parts
-      or lse_parts.ndim not in (2, 3) or n % groups or pitch < n // groups
-      or (lse_parts.ndim == 2 and lse_parts.shape[1] != n)):
+  # The parts' stats as ``groups`` rows of ``pitch`` values, the first ``n / groups`` used.
+  if lse_parts.shape == (parts, n):
+    groups, pitch = 1, n
+  elif lse_parts.ndim == 3 and lse_parts.shape[0] == parts:
+    groups, pitch = lse_parts.shape[1:]
+  else:
+    groups = pitch = 0  # refused below
+  if not groups or n % groups or pitch < n // groups or max_parts.shape != lse_parts.shape:
     raise ValueError(f"combine takes lse and max parts [S, n] or [S, m, pitch >= n / m]; got "
                      f"{lse_parts.shape} and {max_parts.shape} for out parts {out_parts.shape}")
   plgpu = _mosaic.plgpu()

@@ -416,6 +416,20 @@ def test_nan_query_row_is_nan():
   assert not np.isnan(out[[0, 2]]).any()
 
 
+@pytest.mark.parametrize("stats", [(4, 56), (3, 48), (4, 5, 16), (4, 3, 15), (4, 0, 16)])
+def test_combine_refuses_stats_it_cannot_read(stats):
+  """The combine's LSE and max parts: ``[S, n]``, or ``[S, m, pitch]`` with the first ``n /
+  m`` of each row used; anything else is refused before the kernel is built (CPU)."""
+  from jax_mla import merge_mosaic
+  out = jnp.zeros((4, 48, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match="lse and max parts"):
+    merge_mosaic.combine(out, jnp.zeros(stats, jnp.float32), jnp.zeros(stats, jnp.float32), None,
+                         heads=16)
+  with pytest.raises(ValueError, match="lse and max parts"):  # max not shaped as the LSE
+    merge_mosaic.combine(out, jnp.zeros((4, 3, 32), jnp.float32), jnp.zeros((4, 48), jnp.float32),
+                         None, heads=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pitch", [None, 32])
 def test_gpu_mosaic_combine_matches_combine_splits(pitch):

@@ -484,8 +484,9 @@ class _RecordingKernel:
       ctypes.memset(ptr, self.FILL, nbytes)
 
 
-def _decode_plan(b, h_q, topk, lengths=False, nb=4, num_splits=1):
-  """The plan of the Mosaic GPU sparse decode program (fp8_ds_mla) on CPU tensors."""
+def _decode_plan(b, h_q, topk, lengths=False, nb=4, num_splits=1, sink=False):
+  """The plan of the Mosaic GPU sparse decode program (fp8_ds_mla) on CPU tensors; its
+  arguments are q, cache, indices, then the lengths and the sinks where asked for."""
   pytest.importorskip("absl")
   from jax_mla.cache.formats import resolve
   from jax_mla.sparse_mla import api as sparse_api
@@ -497,9 +498,14 @@ def _decode_plan(b, h_q, topk, lengths=False, nb=4, num_splits=1):
                              impl="mosaic", config=config, interpret=False)
   s = jax.ShapeDtypeStruct
   structs = [s((b, 1, h_q, 576), jnp.bfloat16), s((nb, 64, 656), jnp.uint8),
-             s((b, 1, topk), jnp.int32)] + [s((b,), jnp.int32)] * lengths
-  _, block, treedef = _direct.lowered_main(
-      lambda q, c, i, *n: decode(q, c, i, *(n or [None]), None, None, None, None), structs, None)
+             s((b, 1, topk), jnp.int32)] + [s((b,), jnp.int32)] * lengths + [
+                 s((h_q,), jnp.float32)] * sink
+
+  def program(q, c, i, *rest):
+    return decode(q, c, i, rest[0] if lengths else None, None, None, None,
+                  rest[-1] if sink else None)
+
+  _, block, treedef = _direct.lowered_main(program, structs, None)
   return _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
 
 
@@ -541,21 +547,8 @@ def test_direct_plan_pads_without_reading_the_gpu(monkeypatch):
   """A program that pads a call's tensor (16 heads' sinks, padded to the kernel's row of
   32 with -inf) reads the padding value once, when the plan is made: a call never takes
   a value to the host (``.item()`` of a CUDA tensor waits for the GPU)."""
-  pytest.importorskip("absl")
-  from jax_mla.cache.formats import resolve
-  from jax_mla.sparse_mla import api as sparse_api
-  from jax_mla.sparse_mla import mosaic
-  from torch_bridge import _direct
-  fmt, h_q = resolve("fp8_ds_mla"), 16
-  decode = functools.partial(sparse_api._decode, fmt=fmt, extra_fmt=None, sm_scale=0.1, d_v=512,
-                             impl="mosaic", config=mosaic.default_config(fmt, h_q),
-                             interpret=False)
-  s = jax.ShapeDtypeStruct
-  _, block, treedef = _direct.lowered_main(
-      lambda q, c, i, sink: decode(q, c, i, None, None, None, None, sink),
-      [s((2, 1, h_q, 576), jnp.bfloat16), s((4, 64, 656), jnp.uint8), s((2, 1, 128), jnp.int32),
-       s((h_q,), jnp.float32)], None)
-  plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+  h_q = 16
+  plan = _decode_plan(2, h_q, 128, sink=True)
   [step] = plan.kernels
   step.kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
 

@@ -304,7 +304,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   def locate(kv_ref, staged_ref, first_row, masked_refs):
     """This thread's rows of the step, whose indices ``staged_ref`` holds: ``(rows,
     oks, row addresses, scale addresses (Model1) or None)``."""
-    i32, i64, c32, c64, at = _i32(), _i64(), _inline.const, _c64, _inline.at
+    i32, i64, c32, at = _inline.int_type(), _inline.int_type(64), _inline.const, _inline.at
+    c64 = functools.partial(_inline.const, bits=64)
     kv_base = _inline.global_ptr(kv_ref)
     thread_rows = [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
     idxs = [memref.load(staged_ref, [arith.index_cast(_index(), row)]) for row in thread_rows]
@@ -341,20 +342,20 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     ``fp8_ds_mla``, bytes [lane*16, +16) of each 128-value tile; ``fp8_model1``, [lane*8,
     +8) of each 64-value tile; ``fp8_v41`` / ``fp4_v41``, chunk ``lane`` of each column
     tile (the dequantizing part of :func:`gather` says where each goes)."""
-    at, c32 = _inline.at, _inline.const
+    at, c32, i64 = _inline.at, _inline.const, _inline.int_type(64)
     if isinstance(fmt, DsMla):
-      lane16 = arith.extui(_i64(), arith.muli(lane, c32(16)))
-      return [(at(row, lane16), at(row, _c64(fmt.scale_offset))) for row in rows]
+      lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
+      return [(at(row, lane16), at(row, c32(fmt.scale_offset, 64))) for row in rows]
     if isinstance(fmt, Model1):
-      lane8 = arith.extui(_i64(), arith.muli(lane, c32(8)))
+      lane8 = arith.extui(i64, arith.muli(lane, c32(8)))
       return [(at(row, lane8), scale) for row, scale in zip(rows, scales, strict=True)]
-    lane_bytes = arith.extui(_i64(), arith.muli(lane, c32(fmt.bits)))
-    return [(at(row, lane_bytes), at(row, _c64(fmt.data_bytes))) for row in rows]
+    lane_bytes = arith.extui(i64, arith.muli(lane, c32(fmt.bits)))
+    return [(at(row, lane_bytes), at(row, c32(fmt.data_bytes, 64))) for row in rows]
 
   def load(ctx, kv_ref, staged_ref, *masked_refs):
     """``early``: issues this thread's loads of the step's rows; returns the words."""
     del ctx
-    i32 = _i32()
+    i32 = _inline.int_type()
     _, lane, _, first_row = place()
     _, oks, rows, scales = locate(kv_ref, staged_ref, first_row, masked_refs)
     parts = row_asm(0)
@@ -379,8 +380,9 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     (next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
      *extra_refs) = args
     pair_ref = extra_refs[0] if pair else None
-    i32, i64, index, void = _i32(), _i64(), _index(), _inline.void()
-    c32, c64, at = _inline.const, _c64, _inline.at
+    i32, i64, index, void = _inline.int_type(), _inline.int_type(64), _index(), _inline.void()
+    c32, at = _inline.const, _inline.at
+    c64 = functools.partial(_inline.const, bits=64)
     tid, lane, group, first_row = place()
     main_base = mgpu_utils.memref_ptr(main_ref)
     rope_base = mgpu_utils.memref_ptr(rope_ref)
@@ -508,22 +510,10 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   return gather
 
 
-# Types and constants of inline bodies (call inside one: they need its MLIR context).
-def _i32():
-  return _inline.int_type(32)
-
-
-def _i64():
-  return _inline.int_type(64)
-
-
 def _index():
+  """MLIR's index type (call inside an inline body: it needs its context)."""
   from jax._src.lib.mlir import ir
   return ir.IndexType.get()
-
-
-def _c64(value: int):
-  return _inline.const(value, 64)
 
 
 def _words_layout(count: int):
