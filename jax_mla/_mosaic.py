@@ -329,14 +329,15 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
 
 def sink_epilogue(m, l, sink):
   """The sparse kernels' per-head results from :func:`consume_stages`' ``m`` and ``l``
-  and the attention sink (natural-log units; ``-inf``: none): ``(inv, max_logits,
-  lse)``. ``inv`` scales the accumulator: ``1 / l`` times ``exp(lse) / (exp(lse) +
-  exp(sink))`` (sink ``+inf``: 0, ``-inf``: 1), 0 for an empty row; ``max_logits`` and
+  and the attention sink (natural-log units; ``-inf`` or None: none): ``(inv,
+  max_logits, lse)``. ``inv`` scales the accumulator: ``1 / l`` times ``exp(lse) /
+  (exp(lse) + exp(sink))`` (sink ``+inf``: 0, ``-inf``: 1), 0 for an empty row; ``max_logits`` and
   ``lse`` are natural-log, ``-inf`` and ``+inf`` for an empty row (:func:`empty_rows`),
   NaN where ``l`` is."""
   empty, l_safe = empty_rows(l)
   lse2 = m + jnp.log2(l_safe)
-  inv = jnp.where(empty, 0.0, 1.0 / (l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))))
+  share = l_safe if sink is None else l_safe * (1.0 + jnp.exp2(sink * LOG2E - lse2))
+  inv = jnp.where(empty, 0.0, 1.0 / share)
   max_logits = jnp.where(empty, -jnp.inf, jnp.where(jnp.isnan(l), jnp.nan, m * LN2))
   return inv, max_logits, jnp.where(empty, jnp.inf, lse2 * LN2)
 

@@ -510,10 +510,10 @@ def _decode_plan(b, h_q, topk, lengths=False, nb=4, num_splits=1, sink=False):
 
 
 def test_direct_plan_of_sparse_decode_is_one_kernel_on_the_callers_memory():
-  """The sparse decode's program (every entry counting, topk a multiple of 64) is one
-  kernel launch and nothing else: the kernel reads the caller's own q, cache and
-  indices; its lengths and sinks are constants made once; the outputs come back in
-  FlashMLA's shapes, written by the kernel."""
+  """The sparse decode's program (every entry counting, topk a multiple of 64, no sink)
+  is one kernel launch and nothing else: the kernel reads the caller's own q, cache and
+  indices and nothing more (no lengths, no sinks: no constants); the outputs come back
+  in FlashMLA's shapes, written by the kernel."""
   b, h_q, topk = 3, 64, 128
   plan = _decode_plan(b, h_q, topk)
   [step] = plan.kernels
@@ -527,27 +527,24 @@ def test_direct_plan_of_sparse_decode_is_one_kernel_on_the_callers_memory():
   idx = torch.randint(-1, 300, (b, 1, topk), dtype=torch.int32)
   out, lse = plan([q, cache, idx], 7)
   [(pointers, stream)] = kernel.launches
-  assert stream == 7 and len(pointers) == 5 + 3
-  lengths_ptr, q_ptr, sink_ptr, idx_ptr, cache_ptr = pointers[:5]
-  assert (q_ptr, idx_ptr, cache_ptr) == (q.data_ptr(), idx.data_ptr(), cache.data_ptr())
-  assert list((ctypes.c_int32 * b).from_address(lengths_ptr)) == [topk] * b
-  assert list((ctypes.c_float * h_q).from_address(sink_ptr)) == [-math.inf] * h_q
+  assert stream == 7 and len(pointers) == 3 + 3
+  assert pointers[:3] == [q.data_ptr(), idx.data_ptr(), cache.data_ptr()]
   assert out.shape == (b, 1, h_q, 512) and out.dtype == torch.bfloat16
   assert lse.shape == (b, h_q, 1) and lse.dtype == torch.float32
-  assert out.data_ptr() in pointers[5:] and lse.data_ptr() in pointers[5:]
+  assert out.data_ptr() in pointers[3:] and lse.data_ptr() in pointers[3:]
   assert (out.view(torch.uint8) == _RecordingKernel.FILL).all()
   assert (lse.view(torch.uint8) == _RecordingKernel.FILL).all()
-  # A second call launches again, into new outputs, with the same constants.
+  # A second call launches again, into new outputs.
   out2, _ = plan([q, cache, idx], 8)
-  assert len(kernel.launches) == 2 and kernel.launches[1][0][:1] == [lengths_ptr]
+  assert len(kernel.launches) == 2 and kernel.launches[1][0][:3] == pointers[:3]
   assert out2.data_ptr() != out.data_ptr()
 
 
 def test_direct_plan_pads_without_reading_the_gpu(monkeypatch):
-  """A program that pads a call's tensor (16 heads' sinks, padded to the kernel's row of
-  32 with -inf) reads the padding value once, when the plan is made: a call never takes
-  a value to the host (``.item()`` of a CUDA tensor waits for the GPU)."""
-  h_q = 16
+  """A program that pads a call's tensor (20 heads' sinks, padded to the kernel's 32
+  heads with -inf) reads the padding value once, when the plan is made: a call never
+  takes a value to the host (``.item()`` of a CUDA tensor waits for the GPU)."""
+  h_q = 20
   plan = _decode_plan(2, h_q, 128, sink=True)
   [step] = plan.kernels
   step.kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
@@ -557,8 +554,8 @@ def test_direct_plan_pads_without_reading_the_gpu(monkeypatch):
 
   rows, launch = [], step.kernel.launch
 
-  def read_sinks(pointers, stream):  # the padded sinks, while the call holds them
-    rows.append(list((ctypes.c_float * 32).from_address(pointers[2])))
+  def read_sinks(pointers, stream):  # the padded sinks (after q), while the call holds them
+    rows.append(list((ctypes.c_float * 32).from_address(pointers[1])))
     launch(pointers, stream)
 
   monkeypatch.setattr(step.kernel, "launch", read_sinks)

@@ -383,13 +383,14 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
   if extra_kv_cache is not None:
     sets.append(flat_set(extra_kv_cache, extra_indices, extra_topk_length))
   qf = q.reshape(tokens, h_q, d_qk)
+  if impl == "mosaic":  # its LSE comes in FlashMLA's decode layout, [b, h_q, s_q]
+    fmts = (fmt, extra_fmt or fmt)[:len(sets)]
+    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
+                                       config=config, query_len=s_q)
+    return out.reshape(b, s_q, h_q, d_v), lse
   if impl == "xla":
     out, _, lse = reference.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale,
                                           d_v=d_v, extra_fmt=extra_fmt)
-  elif impl == "mosaic":
-    fmts = (fmt, extra_fmt or fmt)[:len(sets)]
-    out, _, lse = mosaic.sparse_decode(qf, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
-                                       config=config)
   else:
     out, _, lse = triton.sparse_decode(qf, sets, attn_sink, fmt=fmt, sm_scale=sm_scale, d_v=d_v,
                                        config=config, interpret=interpret, extra_fmt=extra_fmt)

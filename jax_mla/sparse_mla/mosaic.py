@@ -55,6 +55,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   first_steps,
   init_pair,
   kernel_inputs,
+  leading_inputs,
   produce,
   split_steps,
 )
@@ -189,8 +190,10 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair,
             tokens, splits):
-  """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``refs``: the sets'
-  indices, then their caches, then the outputs, the SMEM refs and the barriers.
+  """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``len_ref`` (None:
+  no set has lengths) and ``sink_ref`` (None: no sink) as
+  :func:`.mosaic_gather.leading_inputs` gives them; ``refs``: the sets' indices, then
+  their caches, then the outputs, the SMEM refs and the barriers.
   ``splits`` above 1: this CTA takes split ``s`` of the token's steps and writes part
   ``s`` of the outputs (rows ``s * tokens * h_q + ...``)."""
   num_sets = len(gathers)
@@ -205,7 +208,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   r0 = t * h_q + h0
   # The sets' steps run back to back in one softmax: set k's rows are steps
   # first[k] .. first[k + 1] - 1.
-  first, base = split_steps(first_steps(len_ref, t, idx_refs), splits)
+  first, base = split_steps(first_steps(len_ref, t, idx_refs, gathers), splits)
   out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
   steps = first[-1]
   has_rope = d_qk > D_MAIN
@@ -231,7 +234,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         shared=(p_stats, p_ready), mask=mask, scale=scale)
 
     # Both consumers are done with Q: its halves become the output staging.
-    sink = plgpu.load(sink_smem, (), layout=_mosaic.row_layout(plgpu), optimized=False)
+    sink = (None if sink_ref is None else
+            plgpu.load(sink_smem, (), layout=_mosaic.row_layout(plgpu), optimized=False))
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
@@ -264,7 +268,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
     if has_rope:
       q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
-    q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
+    if sink_ref is not None:
+      q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
     produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
             kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
             barriers=(q_bar, kv_bar, free_bar), first=first, base=base,
@@ -274,7 +279,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     _mosaic.cluster_sync(plgpu)
 
 
-def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
+def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
+           query_len: int | None = None):
   """The kernels over tokens ``q[T, h_q, d_qk]`` and key sets sharing one softmax.
 
   Each set is ``(cache, indices[T, topk], lengths[T])``: ``cache[num_blocks,
@@ -282,19 +288,20 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   per set; see :func:`.mosaic_gather.gather_fn`); ``lengths`` (int32) are clipped to
   ``[0, topk]`` in the kernel, and None means the whole ``topk``. ``num_splits``: see
   ``Config.num_splits``. Returns ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse
-  f32[T, h_q])``.
+  f32[T, h_q])``; with ``query_len`` (the tokens are a decode's ``[b, query_len]``
+  queries), ``lse`` is FlashMLA's decode LSE ``[b, h_q, query_len]``.
   """
   h_q = q.shape[1]
   if transposed(h_q):
     return mosaic_transposed.attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
-                                    config=config, num_splits=num_splits)
+                                    config=config, num_splits=num_splits, query_len=query_len)
   if h_q % BLOCK_H:  # zero queries with -inf sinks in the padding heads, dropped after
     pad = cdiv(h_q, BLOCK_H) * BLOCK_H - h_q
     sink = None if attn_sink is None else jnp.pad(attn_sink.astype(jnp.float32), (0, pad),
                                                   constant_values=-jnp.inf)
     out, max_logits, lse = attend(jnp.pad(q, ((0, 0), (0, pad), (0, 0))), sets, sink,
                                   fmts=fmts, sm_scale=sm_scale, config=config,
-                                  num_splits=num_splits)
+                                  num_splits=num_splits, query_len=query_len)
     return out[:, :h_q], max_logits[:, :h_q], lse[:, :h_q]
   if config.producers != 1 or config.consumers != 2:
     raise ValueError(f"the Mosaic GPU kernel for h_q a multiple of {BLOCK_H} runs one "
@@ -306,8 +313,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
           and all(map(dequantized, fmts)))
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair)
   # Split parts are combined before the sinks apply: the kernel then runs without.
-  sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None or num_splits > 1
-          else attn_sink.astype(jnp.float32))
+  sink = None if attn_sink is None or num_splits > 1 else attn_sink.astype(jnp.float32)
+  inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_q, d_qk), sink)
 
   tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
@@ -322,7 +329,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
       shared_smem,
   ) + ((plgpu.SMEM((config.num_stages, 4), jnp.uint32),) if pair else ())
-  q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
+  q_copies = 2 + (d_qk > D_MAIN) + (sink is not None)  # NoPE halves, RoPE, sink
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
                   else plgpu.Barrier)
@@ -338,8 +345,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
                              tokens=tokens, splits=num_splits)
 
   def entry(*refs):
-    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
-                  barriers, collective_axes="wg")
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
+                  smem, barriers, collective_axes="wg")
 
   n = tokens * h_q
   out_type = (jax.ShapeDtypeStruct((num_splits * n, D_MAIN), jnp.bfloat16),
@@ -356,13 +363,15 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, q.reshape(n, d_qk), sink, *all_indices, *all_rows)
+  )(*inputs, *all_indices, *all_rows)
   if num_splits > 1:
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, n, D_MAIN), lse.reshape(num_splits, n),
         max_logits.reshape(num_splits, n), attn_sink, heads=h_q)
-  return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
-          lse.reshape(tokens, h_q))
+  lse = lse.reshape(tokens, h_q)
+  if query_len is not None:
+    lse = lse.reshape(tokens // query_len, query_len, h_q).transpose(0, 2, 1)
+  return out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q), lse
 
 
 def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Config):
@@ -377,7 +386,8 @@ def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Conf
                  sm_scale=sm_scale, config=config)
 
 
-def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, config: Config):
+def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, config: Config,
+                  query_len: int | None = None):
   """Decode on the kernel (call under jit); inputs validated by
   :func:`jax_mla.sparse_mla.sparse_mla_decode` and :func:`check_supported`.
 
@@ -385,7 +395,8 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T] or
   None)``,
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
-  lse)`` over ``T``.
+  lse)`` over ``T``; with ``query_len`` (``T = b * query_len``), ``lse`` is FlashMLA's
+  decode LSE ``[b, h_q, query_len]`` (the transposed kernel writes it so itself).
   """
   steps = sum(cdiv(idx.shape[1], BLOCK_K) for _, idx, _ in sets)
   ctas = q.shape[0] * (_mosaic.transposed_tiles(q.shape[1])[0] if transposed(q.shape[1])
@@ -393,4 +404,4 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   num_splits = config.num_splits or _mosaic.default_num_splits(ctas, steps,
                                                                min_blocks=MIN_SPLIT_STEPS)
   return attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale, config=config,
-                num_splits=num_splits)
+                num_splits=num_splits, query_len=query_len)

@@ -54,7 +54,7 @@ from jax_mla.cache import e2m1
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format, TileScaled
 from jax_mla.cache.model1 import Model1
-from jax_mla.sparse_mla.layout import token_lengths, valid_slots
+from jax_mla.sparse_mla.layout import valid_slots
 
 BLOCK_K = 64  # gathered key rows per pipeline step
 HALF = 256  # columns of one half of the 512 main columns (wgmma N <= 256)
@@ -82,39 +82,60 @@ def clean_indices(indices, lengths, num_slots):
 def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
-  ``fmts``: ``(gathers, lengths[num_sets, T] (:func:`first_steps` clips them to [0,
-  topk]), indices (cleaned where ``topk`` is not a multiple of 64), cache rows)``.
-  ``pair``: see :func:`gather_fn`; ``early``: its early loads for the quantized sets."""
+  ``fmts``: ``(gathers, lengths, indices (cleaned where ``topk`` is not a multiple of
+  64), cache rows)``. ``lengths`` is ``[n, T]``, one row for each set that has lengths
+  (:func:`first_steps` clips them to [0, topk]; a gather's ``length_row`` is its set's
+  row, or None), or None where no set has any: the kernel then takes no lengths, and the
+  program has no XLA op before it. ``pair``: see :func:`gather_fn`; ``early``: its early
+  loads for the quantized sets."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
     num_slots = num_blocks * block_size
-    tokens, topk = indices.shape
+    topk = indices.shape[1]
     masked = lengths is not None and topk % BLOCK_K == 0
-    if lengths is None and topk % BLOCK_K == 0:
-      lengths = jnp.full((tokens,), topk, jnp.int32)
-    elif not masked:  # a partial last step: indices padded, positions past lengths -1
-      lengths = jnp.clip(token_lengths(indices, lengths), 0, topk)
+    if topk % BLOCK_K:  # a partial last step: indices padded, unusable entries -1
+      lengths = None if lengths is None else jnp.clip(lengths, 0, topk)
       indices = clean_indices(indices, lengths, num_slots)
     # Otherwise the gather refuses slots outside the cache and (masked) positions past
     # the length itself, and the kernel clips the lengths: no XLA pre-pass.
     all_indices.append(indices)
-    all_lengths.append(lengths)
     all_rows.append(cache.reshape(num_slots, width))
     gathers.append(gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
                              row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair,
-                             masked=masked, early=early and dequantized(fmt)))
-  return tuple(gathers), jnp.stack(all_lengths), all_indices, all_rows
+                             masked=masked, early=early and dequantized(fmt),
+                             length_row=None if lengths is None else len(all_lengths)))
+    if lengths is not None:
+      all_lengths.append(lengths)
+  return (tuple(gathers), jnp.stack(all_lengths) if all_lengths else None, all_indices,
+          all_rows)
 
 
-def first_steps(len_ref, t, idx_refs):
+def leading_inputs(lengths, q, sink):
+  """``(inputs, restore)``: a kernel's leading inputs ``lengths`` (None: no set has
+  any, :func:`kernel_inputs`), ``q`` and ``sink`` (None: no sink) without the absent
+  ones, and ``restore(refs)``, the kernel's refs with None in their places: an absent
+  input costs no XLA op that builds a stand-in before the kernel."""
+  present = [x is not None for x in (lengths, q, sink)]
+
+  def restore(refs):
+    refs = list(refs)
+    return [refs.pop(0) if here else None for here in present] + refs
+
+  return [x for x in (lengths, q, sink) if x is not None], restore
+
+
+def first_steps(len_ref, t, idx_refs, gathers):
   """``first``: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (the sets' steps
   run back to back in one softmax); ``first[-1]`` is the token's number of steps. Set
-  ``k``'s length is clipped to ``[0, topk]`` (``idx_refs[k]``: its ``[T, topk]``
-  indices)."""
+  ``k``'s length (row ``gathers[k].length_row`` of ``len_ref``; none: ``topk``) is
+  clipped to ``[0, topk]`` (``idx_refs[k]``: its ``[T, topk]`` indices)."""
   first = [0]
-  for k, idx_ref in enumerate(idx_refs):
-    length = jnp.minimum(jnp.maximum(len_ref[k, t], 0), idx_ref.shape[1])
+  for idx_ref, gather in zip(idx_refs, gathers, strict=True):
+    topk = idx_ref.shape[1]
+    row = gather.length_row
+    length = (topk if row is None
+              else jnp.minimum(jnp.maximum(len_ref[row, t], 0), topk))
     first.append(first[-1] + lax.div(length + (BLOCK_K - 1), BLOCK_K))
   return first
 
@@ -223,7 +244,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       # A masked gather also gets its step's and its row's first index blocks (their
       # distance is the step's position in the row) and the token's length.
       where = ((idx_ref.at[t, pl.ds((i + offset) * BLOCK_K, BLOCK_K)],
-                idx_ref.at[t, pl.ds(0, BLOCK_K)], len_ref.at[k, pl.ds(t, 1)])
+                idx_ref.at[t, pl.ds(0, BLOCK_K)],
+                len_ref.at[gathers[k].length_row, pl.ds(t, 1)])
                if masked else ())
       # Early loads: the rows are on their way while the slot's reader finishes.
       words = () if load is None else (load(kv_ref, staged(i), *where),)
@@ -248,7 +270,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
-              d_qk: int, pair: bool = False, masked: bool = False, early: bool = False):
+              d_qk: int, pair: bool = False, masked: bool = False, early: bool = False,
+              length_row: int | None = None):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
@@ -505,6 +528,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
 
   gather.masked = masked
   gather.early = early
+  gather.length_row = length_row
   gather.load = load
   gather.words = rows_per_thread * len(row_asm(0).loaded) if early else 0
   return gather

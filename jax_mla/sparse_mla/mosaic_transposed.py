@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic, merge_mosaic
+from jax_mla import _inline, _mosaic, merge_mosaic
 from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
@@ -49,26 +49,30 @@ from jax_mla.sparse_mla.mosaic_gather import (
   TILE,
   first_steps,
   kernel_inputs,
+  leading_inputs,
   produce,
   split_steps,
 )
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits):
-  """``refs``: the sets' indices, then their caches, then the outputs (``O``
+            scale, tokens, splits, query_len):
+  """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
+  :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
+  their caches, then the outputs (``O``
   ``[splits * T * h_pad, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
-  32)]``; split ``s`` writes part ``s``), the SMEM refs and the barriers."""
+  32)]``; split ``s`` writes part ``s``; with ``query_len``, the LSE is ``[T /
+  query_len, h_pad, query_len]``), the SMEM refs and the barriers."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
-  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, p_t, stats, p_stats = smem
+  q_main, q_rope, kv_main, kv_rope, valid, p_t, stats, p_stats = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   t = lax.axis_index("t")
   h0 = lax.axis_index("h") * heads
   wg = lax.axis_index("wg")
   r0 = t * h_pad + h0
-  first, base = split_steps(first_steps(len_ref, t, idx_refs), splits)
+  first, base = split_steps(first_steps(len_ref, t, idx_refs, gathers), splits)
   part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
 
@@ -84,8 +88,13 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     return apply
 
-  def load_sink():
-    return plgpu.load(sink_smem.at[pl.ds(0, heads)], (), layout=_mosaic.col_layout(plgpu),
+  store_heads = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
+      functools.partial(_store_heads_fn, count=heads, stride=query_len or 1))
+
+  def load_sink():  # read in the epilogue, straight from GMEM (no TMA of fewer than 32)
+    if sink_ref is None:
+      return None
+    return plgpu.load(sink_ref.at[pl.ds(h0, heads)], (), layout=_mosaic.col_layout(plgpu),
                       optimized=False)
 
   def finish(halves, m, l):
@@ -112,7 +121,11 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
       @owner(k)
       def _(k=k, ref=ref):
-        plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
+        if k == 1 and query_len is not None:  # FlashMLA's layout: 4-byte rows, no TMA
+          b, s = lax.div(t, query_len), lax.rem(t, query_len)
+          store_heads(stats.at[k], ref.at[b, pl.ds(h0, heads), pl.ds(s, 1)])
+        else:
+          plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -137,7 +150,6 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
   if has_rope:
     q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
-  q_copies.append((sink_ref.at[pl.ds(h0, sink_smem.shape[0])], sink_smem))
   for p in range(config.producers):
 
     @pl.when(wg == consumers + p)
@@ -147,6 +159,25 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, base=base, producer=p,
               producers=config.producers)
+
+
+def _store_heads_fn(ctx, src_ref, dst_ref, *, count: int, stride: int):
+  """Thread ``i < count`` copies float32 ``src_ref[i]`` (SMEM, written before a
+  ``commit_smem``) to element ``i * stride`` of GMEM from ``dst_ref``'s first (inline
+  Mosaic GPU)."""
+  del ctx
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  tid = arith.remui(mgpu.thread_idx(), _inline.const(128))
+  src = _inline.at(mgpu_utils.memref_ptr(src_ref), arith.muli(tid, _inline.const(4)))
+  dst = _inline.at(_inline.global_ptr(dst_ref),
+                   arith.extui(_inline.int_type(64), arith.muli(tid, _inline.const(4 * stride))))
+  llvm.inline_asm(_inline.void(), [src, dst, tid],
+                  "{.reg .pred p; .reg .f32 v; setp.lt.u32 p, $2, "
+                  f"{count}; @p ld.shared.f32 v, [$0]; @p st.global.f32 [$1], v;}}",
+                  "r,l,r", has_side_effects=True)
 
 
 def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barriers, mask,
@@ -208,8 +239,12 @@ def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barrier
   return accs, m, l.sum(axis=0)
 
 
-def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
-  """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` up to 32."""
+def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
+           query_len: int | None = None):
+  """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` up to 32. ``query_len``: the
+  tokens are a decode's ``[b, query_len]`` queries, and the LSE comes as FlashMLA's
+  decode LSE ``[b, h_q, query_len]`` (without splits the kernel writes it so: no
+  transpose after it)."""
   plgpu = _mosaic.plgpu()
   tokens, h_q, d_qk = q.shape
   blocks, heads = _mosaic.transposed_tiles(h_q)
@@ -219,13 +254,15 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   # benchmarks/RESULTS.md, session 22). One producer (32 heads) gained nothing.
   early = config.producers > 1 and config.producer_registers >= EARLY_MIN_REGISTERS
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, early=early)
-  sink = (jnp.full((h_q,), -jnp.inf, jnp.float32) if attn_sink is None
-          else attn_sink.astype(jnp.float32))
-  q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
+  sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
+  if h_pad > h_q:  # zero queries with -inf sinks in the padding heads, dropped after
+    sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
+    q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
   row = max(heads, _mosaic.MIN_VECTOR_ROW)
-  sink = jnp.pad(sink, (0, h_pad - h_q + row - heads), constant_values=-jnp.inf)
+  direct_lse = query_len if num_splits == 1 else None  # the kernel writes [b, h, s_q]
   # Split parts are combined before the sinks apply: the kernel then runs without.
-  kernel_sink = sink if num_splits == 1 else jnp.full_like(sink, -jnp.inf)
+  inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_pad, d_qk),
+                                   sink if num_splits == 1 else None)
 
   tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
@@ -237,12 +274,11 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
       plgpu.SMEM((num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages + 2 * config.producers, BLOCK_K), jnp.int32),
-      plgpu.SMEM((row,), jnp.float32),
       plgpu.SMEM((num_stages, heads, BLOCK_K), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((2, row), jnp.float32),
       shared_smem,
   )
-  q_copies = 2 + (d_qk > D_MAIN) + 1  # NoPE halves, RoPE, sink
+  q_copies = 2 + (d_qk > D_MAIN)  # NoPE halves, RoPE
   barriers = (
       plgpu.Barrier(num_arrivals=q_copies),
       plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # stage gathered (producer)
@@ -252,28 +288,35 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1):
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
-                             tokens=tokens, splits=num_splits)
+                             tokens=tokens, splits=num_splits, query_len=direct_lse)
 
   def entry(*refs):
-    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*refs, smem_refs, bar_refs), smem,
-                  barriers, collective_axes="wg")
+    pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
+                  smem, barriers, collective_axes="wg")
 
   n = num_splits * tokens
   out_type = (jax.ShapeDtypeStruct((n * h_pad, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((n * blocks, row), jnp.float32),
-              jax.ShapeDtypeStruct((n * blocks, row), jnp.float32))
+              jax.ShapeDtypeStruct((n * blocks, row) if direct_lse is None else
+                                   (tokens // direct_lse, h_pad, direct_lse), jnp.float32))
   grid = ({"grid": (tokens, blocks), "grid_names": ("t", "h")} if num_splits == 1 else
           {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid,
       num_threads=config.consumers + config.producers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(lengths, q.reshape(tokens * h_pad, d_qk), kernel_sink, *all_indices, *all_rows)
+  )(*inputs, *all_indices, *all_rows)
   if num_splits > 1:  # the combine reads the padded rows as they are (no slice copies)
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1, row),
-        max_logits.reshape(num_splits, -1, row), sink[:h_pad], heads=h_pad)
+        max_logits.reshape(num_splits, -1, row), sink, heads=h_pad)
   else:
-    max_logits, lse = (x[:, :heads] for x in (max_logits, lse))
-  return (out.reshape(tokens, h_pad, D_MAIN)[:, :h_q],
-          max_logits.reshape(tokens, h_pad)[:, :h_q], lse.reshape(tokens, h_pad)[:, :h_q])
+    max_logits, lse = max_logits[:, :heads], (lse if direct_lse else lse[:, :heads])
+  max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
+  if direct_lse is not None:
+    lse = lse[:, :h_q]
+  else:
+    lse = lse.reshape(tokens, h_pad)[:, :h_q]
+    if query_len is not None:
+      lse = lse.reshape(tokens // query_len, query_len, h_q).transpose(0, 2, 1)
+  return out.reshape(tokens, h_pad, D_MAIN)[:, :h_q], max_logits, lse
