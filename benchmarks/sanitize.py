@@ -12,6 +12,7 @@ a kernel that reads what it must not shows up as an error or a non-finite output
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
@@ -27,6 +28,7 @@ from jax_mla.cache import (
   quantize_fp8_model1_cache,
   quantize_fp8_v41,
 )
+from jax_mla.cache.formats import resolve
 from jax_mla.dense_decode import mla_decode_paged
 from jax_mla.dense_prefill import mla_prefill
 from jax_mla.paged import paged_attention
@@ -109,6 +111,16 @@ def sparse_decode(impl):
                             extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
                             extra_topk_length=jnp.asarray([64, 3], jnp.int32),
                             implementation=impl)[0]
+  # One split at 16 and 20 (padded to 32) heads with sinks, no lengths, topk a multiple
+  # of 64: the transposed kernel alone reads its sinks from GMEM and writes the LSE in
+  # FlashMLA's [b, h_q, s_q] layout itself (Mosaic GPU).
+  for h_q in (16, 20):
+    main, idx = cache(5, 64, 128, "fp8_ds_mla", 576)
+    q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 576)) / 3, jnp.bfloat16)
+    config = (dataclasses.replace(mosaic.default_config(resolve("fp8_ds_mla"), h_q),
+                                  num_splits=1) if impl == "mosaic" else None)
+    yield from sparse_mla_decode(q, main, idx, attn_sink=jnp.linspace(-2, 2, h_q),
+                                 implementation=impl, config=config)
   # Small batches split each token's keys over CTAs (Mosaic GPU: then a combine kernel):
   # without topk lengths and topk a multiple of 64 (no index pre-pass), with them (masked
   # by the gather), and with a topk that needs the pre-pass.
