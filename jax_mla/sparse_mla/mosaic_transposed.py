@@ -27,7 +27,9 @@ a warpgroup publishes its stage's max only after its sums.
 
 ``P^T`` and the output ``O^T`` go to SMEM transposed (``[heads, 64]`` and ``[heads, 256]``
 tiles, the 128-byte-swizzled layout of the ring: wgmma needs both operands' swizzles
-equal), so the output leaves as ``O`` like the other kernel's.
+equal), so the output leaves as ``O`` like the other kernel's. A decode's LSE leaves in
+FlashMLA's ``[b, h_q, s_q]`` layout, one head per thread (a TMA row there would be 4
+bytes), and the sinks are read from GMEM: the program is then the kernel alone.
 """
 
 from __future__ import annotations
