@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_mla import _inline
 from jax_mla._common import LN2, LOG2E, cdiv, num_sms, runs_on_gpu
 
 # The transposed kernels (keys on wgmma's M side, query rows on N): the rows of a CTA.
@@ -325,6 +326,31 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   m_use = jnp.where(m == -jnp.inf, 0.0, m)
   l = sum(load(l_at(w)) * jnp.exp2(load(u_at(w)) - m_use) for w in range(2))
   return acc, m, l
+
+
+def store_heads(plgpu_mod, src_ref, dst_ref, *, count: int, stride: int) -> None:
+  """Per-head float32 results in a decode's LSE layout ``[b, h_q, s_q]``: thread ``i <
+  count`` of the warpgroup copies ``src_ref[i]`` (SMEM, written before a
+  ``commit_smem``) to element ``i * stride`` of GMEM from ``dst_ref``'s first (a TMA
+  cannot: its rows there would be 4 bytes)."""
+
+  def body(ctx, src, dst):
+    del ctx
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    tid = arith.remui(mgpu.thread_idx(), _inline.const(128))
+    src_at = _inline.at(mgpu_utils.memref_ptr(src), arith.muli(tid, _inline.const(4)))
+    dst_at = _inline.at(_inline.global_ptr(dst), arith.extui(
+        _inline.int_type(64), arith.muli(tid, _inline.const(4 * stride))))
+    llvm.inline_asm(_inline.void(), [src_at, dst_at, tid],
+                    "{.reg .pred p; .reg .f32 v; setp.lt.u32 p, $2, "
+                    f"{count}; @p ld.shared.f32 v, [$0]; @p st.global.f32 [$1], v;}}",
+                    "r,l,r", has_side_effects=True)
+
+  plgpu_mod.inline_mgpu(arg_types=(plgpu_mod.RefType(), plgpu_mod.RefType()))(body)(
+      src_ref, dst_ref)
 
 
 def sink_epilogue(m, l, sink):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _inline, _mosaic, merge_mosaic
+from jax_mla import _mosaic, merge_mosaic
 from jax_mla._common import LOG2E
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
@@ -90,9 +90,6 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     return apply
 
-  store_heads = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
-      functools.partial(_store_heads_fn, count=heads, stride=query_len or 1))
-
   def load_sink():  # read in the epilogue, straight from GMEM (no TMA of fewer than 32)
     if sink_ref is None:
       return None
@@ -125,7 +122,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       def _(k=k, ref=ref):
         if k == 1 and query_len is not None:  # FlashMLA's layout: 4-byte rows, no TMA
           b, s = lax.div(t, query_len), lax.rem(t, query_len)
-          store_heads(stats.at[k], ref.at[b, pl.ds(h0, heads), pl.ds(s, 1)])
+          _mosaic.store_heads(plgpu, stats.at[k], ref.at[b, pl.ds(h0, heads), pl.ds(s, 1)],
+                              count=heads, stride=query_len)
         else:
           plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
 
@@ -161,25 +159,6 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, base=base, producer=p,
               producers=config.producers)
-
-
-def _store_heads_fn(ctx, src_ref, dst_ref, *, count: int, stride: int):
-  """Thread ``i < count`` copies float32 ``src_ref[i]`` (SMEM, written before a
-  ``commit_smem``) to element ``i * stride`` of GMEM from ``dst_ref``'s first (inline
-  Mosaic GPU)."""
-  del ctx
-  from jax._src.lib.mlir.dialects import arith, llvm
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-  tid = arith.remui(mgpu.thread_idx(), _inline.const(128))
-  src = _inline.at(mgpu_utils.memref_ptr(src_ref), arith.muli(tid, _inline.const(4)))
-  dst = _inline.at(_inline.global_ptr(dst_ref),
-                   arith.extui(_inline.int_type(64), arith.muli(tid, _inline.const(4 * stride))))
-  llvm.inline_asm(_inline.void(), [src, dst, tid],
-                  "{.reg .pred p; .reg .f32 v; setp.lt.u32 p, $2, "
-                  f"{count}; @p ld.shared.f32 v, [$0]; @p st.global.f32 [$1], v;}}",
-                  "r,l,r", has_side_effects=True)
 
 
 def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barriers, mask,
