@@ -51,6 +51,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   D_MAIN,
   HALF,
   TILE,
+  decode_lse,
   dequantized,
   first_steps,
   init_pair,
@@ -368,10 +369,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, n, D_MAIN), lse.reshape(num_splits, n),
         max_logits.reshape(num_splits, n), attn_sink, heads=h_q)
-  lse = lse.reshape(tokens, h_q)
-  if query_len is not None:
-    lse = lse.reshape(tokens // query_len, query_len, h_q).transpose(0, 2, 1)
-  return out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q), lse
+  return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
+          decode_lse(lse.reshape(tokens, h_q), query_len))
 
 
 def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Config):

@@ -125,6 +125,14 @@ def leading_inputs(lengths, q, sink):
   return [x for x in (lengths, q, sink) if x is not None], restore
 
 
+def decode_lse(lse, query_len: int | None):
+  """A kernel's ``[T, h]`` LSE as FlashMLA's decode LSE ``[T / query_len, h,
+  query_len]`` (None: left as it is, a prefill's)."""
+  if query_len is None:
+    return lse
+  return lse.reshape(-1, query_len, lse.shape[1]).transpose(0, 2, 1)
+
+
 def first_steps(len_ref, t, idx_refs, gathers):
   """``first``: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (the sets' steps
   run back to back in one softmax); ``first[-1]`` is the token's number of steps. Set

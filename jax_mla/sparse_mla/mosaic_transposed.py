@@ -49,6 +49,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   EARLY_MIN_REGISTERS,
   HALF,
   TILE,
+  decode_lse,
   first_steps,
   kernel_inputs,
   leading_inputs,
@@ -58,13 +59,14 @@ from jax_mla.sparse_mla.mosaic_gather import (
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits, query_len):
+            scale, tokens, splits, direct_lse):
   """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
   their caches, then the outputs (``O``
   ``[splits * T * h_pad, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
-  32)]``; split ``s`` writes part ``s``; with ``query_len``, the LSE is ``[T /
-  query_len, h_pad, query_len]``), the SMEM refs and the barriers."""
+  32)]``; split ``s`` writes part ``s``; with ``direct_lse``, a decode's query
+  length, the LSE is ``[T / direct_lse, h_pad, direct_lse]``), the SMEM refs and the
+  barriers."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -120,10 +122,10 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
       @owner(k)
       def _(k=k, ref=ref):
-        if k == 1 and query_len is not None:  # FlashMLA's layout: 4-byte rows, no TMA
-          b, s = lax.div(t, query_len), lax.rem(t, query_len)
+        if k == 1 and direct_lse is not None:  # FlashMLA's layout: 4-byte rows, no TMA
+          b, s = lax.div(t, direct_lse), lax.rem(t, direct_lse)
           _mosaic.store_heads(plgpu, stats.at[k], ref.at[b, pl.ds(h0, heads), pl.ds(s, 1)],
-                              count=heads, stride=query_len)
+                              count=heads, stride=direct_lse)
         else:
           plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
 
@@ -269,7 +271,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
-                             tokens=tokens, splits=num_splits, query_len=direct_lse)
+                             tokens=tokens, splits=num_splits, direct_lse=direct_lse)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
@@ -291,13 +293,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1, row),
         max_logits.reshape(num_splits, -1, row), sink, heads=h_pad)
-  else:
-    max_logits, lse = max_logits[:, :heads], (lse if direct_lse else lse[:, :heads])
+  else:  # rows of `row`, the first `heads` used; a direct LSE is [b, h_pad, s_q] already
+    max_logits = max_logits[:, :heads]
+    lse = lse if direct_lse is not None else lse[:, :heads]
   max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
-  if direct_lse is not None:
-    lse = lse[:, :h_q]
-  else:
-    lse = lse.reshape(tokens, h_pad)[:, :h_q]
-    if query_len is not None:
-      lse = lse.reshape(tokens // query_len, query_len, h_q).transpose(0, 2, 1)
+  lse = (lse[:, :h_q] if direct_lse is not None
+         else decode_lse(lse.reshape(tokens, h_pad)[:, :h_q], query_len))
   return out.reshape(tokens, h_pad, D_MAIN)[:, :h_q], max_logits, lse
