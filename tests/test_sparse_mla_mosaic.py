@@ -239,25 +239,27 @@ def test_decode_with_lengths_lowers(h_q, pair, producers):
   assert "stablehlo.select" not in text  # no index pre-pass
 
 
-@pytest.mark.parametrize(("h_q", "sink"), [(16, True), (16, False), (32, True), (128, False)])
-def test_decode_program_is_the_kernel_alone(h_q, sink):
+@pytest.mark.parametrize(("h_q", "sink", "lengths"),
+                         [(16, True, False), (16, False, True), (32, True, False),
+                          (128, False, False), (128, True, True)])
+def test_decode_program_is_the_kernel_alone(h_q, sink, lengths):
   """A decode that needs nothing prepared (no lengths, topk a multiple of 64, one split,
-  16 or 32 heads with or without sinks, or 128 without) is its kernel alone: no
-  lengths or sinks are built for it, and the transposed kernel (16, 32 heads) writes the
-  LSE in FlashMLA's ``[b, h_q, s_q]`` layout itself, so no transpose follows; runs
-  without a GPU."""
+  16, 32 or 128 heads, with or without sinks and per-request lengths) is its kernel
+  alone: no lengths or sinks are built for it (the kernel reads a request's lengths for
+  each of its query tokens), and the kernel writes the LSE in FlashMLA's ``[b, h_q,
+  s_q]`` layout itself, so no transpose follows; runs without a GPU."""
   fmt = resolve("fp8_ds_mla")
   config = dataclasses.replace(mosaic.default_config(fmt, h_q), num_splits=1)
   s = jax.ShapeDtypeStruct
   text = lowers_for_cuda(
-      lambda q, cache, idx, *sinks: mosaic.sparse_decode(
-          q, [(cache, idx, None)], sinks[0] if sinks else None, fmts=(fmt,), sm_scale=0.1,
-          config=config, query_len=2)[2],
+      lambda q, cache, idx, sink, n: mosaic.sparse_decode(
+          q, [(cache, idx, n)], sink, fmts=(fmt,), sm_scale=0.1, config=config,
+          query_len=2)[2],
       s((4, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8), s((4, 256), jnp.int32),
-      *[s((h_q,), jnp.float32)] * sink).as_text()
+      s((h_q,), jnp.float32) if sink else None, s((2,), jnp.int32) if lengths else None
+  ).as_text()
   ops = set(re.findall(r"= (stablehlo\.[a-z_]+)", text))
-  assert ops <= {"stablehlo.custom_call", "stablehlo.reshape", "stablehlo.transpose"}, ops
-  assert ("stablehlo.transpose" in ops) == (h_q == 128)
+  assert ops <= {"stablehlo.custom_call", "stablehlo.reshape"}, ops
 
 
 # The transposed kernel's warpgroups: consumers and producers (the defaults are 1c2p at

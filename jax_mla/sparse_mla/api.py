@@ -370,13 +370,13 @@ def _decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, ex
   tokens = b * s_q
 
   def flat_set(cache, idx, lengths):
-    # Per-batch lengths apply to each of the batch's s_q query tokens. None (every
-    # entry counts) stays None for Mosaic GPU, which then needs no index pre-pass.
+    # Per-batch lengths apply to each of the batch's s_q query tokens (Mosaic GPU reads
+    # them per request itself). None (every entry counts) stays None for Mosaic GPU,
+    # which then needs no index pre-pass.
     idx = idx.reshape(tokens, idx.shape[-1])
-    if lengths is not None:
-      lengths = jnp.repeat(lengths, s_q)
-    elif impl != "mosaic":
-      lengths = token_lengths(idx, None)
+    if impl == "mosaic":
+      return cache, idx, lengths
+    lengths = token_lengths(idx, None) if lengths is None else jnp.repeat(lengths, s_q)
     return cache, idx, lengths
 
   sets = [flat_set(kv_cache, indices, topk_length)]

@@ -190,13 +190,15 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair,
-            tokens, splits):
+            tokens, splits, query_len, direct_lse):
   """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``len_ref`` (None:
   no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them; ``refs``: the sets' indices, then
   their caches, then the outputs, the SMEM refs and the barriers.
   ``splits`` above 1: this CTA takes split ``s`` of the token's steps and writes part
-  ``s`` of the outputs (rows ``s * tokens * h_q + ...``)."""
+  ``s`` of the outputs (rows ``s * tokens * h_q + ...``). ``query_len``: the tokens are a
+  decode's ``[b, query_len]`` queries, whose lengths are per request (``[n, b]``);
+  ``direct_lse``: the LSE output is ``[b, h_q, query_len]``."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -209,7 +211,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   r0 = t * h_q + h0
   # The sets' steps run back to back in one softmax: set k's rows are steps
   # first[k] .. first[k + 1] - 1.
-  first, base = split_steps(first_steps(len_ref, t, idx_refs, gathers), splits)
+  request = t if query_len is None else lax.div(t, query_len)
+  first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
   out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
   steps = first[-1]
   has_rope = d_qk > D_MAIN
@@ -258,7 +261,12 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
     @pl.when(wg == 1)
     def _():
-      plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
+      if not direct_lse:
+        plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
+      else:  # FlashMLA's decode layout: 4-byte rows, no TMA
+        b, s = lax.div(t, query_len), lax.rem(t, query_len)
+        _mosaic.store_heads(plgpu, stats.at[1], lse_ref.at[b, pl.ds(h0, BLOCK_H), pl.ds(s, 1)],
+                            count=BLOCK_H, stride=query_len)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -273,7 +281,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
     produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
             kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-            barriers=(q_bar, kv_bar, free_bar), first=first, base=base,
+            barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
             pair=pair_bars[0] if pair else None)
 
   if pair:  # neither CTA leaves while the other may still write to or arrive in it
@@ -290,7 +298,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   ``[0, topk]`` in the kernel, and None means the whole ``topk``. ``num_splits``: see
   ``Config.num_splits``. Returns ``(out bf16[T, h_q, 512], max_logits f32[T, h_q], lse
   f32[T, h_q])``; with ``query_len`` (the tokens are a decode's ``[b, query_len]``
-  queries), ``lse`` is FlashMLA's decode LSE ``[b, h_q, query_len]``.
+  queries), the sets' lengths are per request (``[b]``) and ``lse`` is FlashMLA's
+  decode LSE ``[b, h_q, query_len]``.
   """
   h_q = q.shape[1]
   if transposed(h_q):
@@ -312,9 +321,11 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   tokens, h_q, d_qk = q.shape
   pair = (config.pair and num_splits == 1 and h_q % (2 * BLOCK_H) == 0
           and all(map(dequantized, fmts)))
-  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair)
+  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair,
+                                                          query_len=query_len)
   # Split parts are combined before the sinks apply: the kernel then runs without.
   sink = None if attn_sink is None or num_splits > 1 else attn_sink.astype(jnp.float32)
+  direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h_q, s_q]
   inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_q, d_qk), sink)
 
   tiles = _mosaic.swizzled(plgpu)
@@ -343,7 +354,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
                              gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair,
-                             tokens=tokens, splits=num_splits)
+                             tokens=tokens, splits=num_splits, query_len=query_len,
+                             direct_lse=direct_lse)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
@@ -352,7 +364,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   n = tokens * h_q
   out_type = (jax.ShapeDtypeStruct((num_splits * n, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((num_splits * n,), jnp.float32),
-              jax.ShapeDtypeStruct((num_splits * n,), jnp.float32))
+              jax.ShapeDtypeStruct((tokens // query_len, h_q, query_len) if direct_lse
+                                   else (num_splits * n,), jnp.float32))
   # The head blocks of one token are adjacent in launch order (the last grid axis is
   # blockIdx.x): they gather the same rows, which L2 then serves once; a pair's are
   # one cluster.
@@ -369,8 +382,9 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, n, D_MAIN), lse.reshape(num_splits, n),
         max_logits.reshape(num_splits, n), attn_sink, heads=h_q)
-  return (out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q),
-          decode_lse(lse.reshape(tokens, h_q), query_len))
+  if not direct_lse:
+    lse = decode_lse(lse.reshape(tokens, h_q), query_len)
+  return out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q), lse
 
 
 def sparse_prefill(q, kv, indices, attn_sink, lengths, *, sm_scale, config: Config):
@@ -392,7 +406,7 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
 
   ``q[T, h_q, d_qk]`` (batch and query position flattened); ``sets`` one or two
   ``(kv_cache[num_blocks, block_size, *], indices[T, topk] global slots, lengths[T] or
-  None)``,
+  None)`` (with ``query_len``: ``lengths[T / query_len]``, one per request),
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
   lse)`` over ``T``; with ``query_len`` (``T = b * query_len``), ``lse`` is FlashMLA's
   decode LSE ``[b, h_q, query_len]`` (the transposed kernel writes it so itself).

@@ -79,15 +79,18 @@ def clean_indices(indices, lengths, num_slots):
   return jnp.where(valid_slots(indices, lengths, num_slots), indices, -1)
 
 
-def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False):
+def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False,
+                  query_len: int | None = None):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
   ``fmts``: ``(gathers, lengths, indices (cleaned where ``topk`` is not a multiple of
   64), cache rows)``. ``lengths`` is ``[n, T]``, one row for each set that has lengths
   (:func:`first_steps` clips them to [0, topk]; a gather's ``length_row`` is its set's
   row, or None), or None where no set has any: the kernel then takes no lengths, and the
-  program has no XLA op before it. ``pair``: see :func:`gather_fn`; ``early``: its early
-  loads for the quantized sets."""
+  program has no XLA op before it. ``query_len``: the tokens are a decode's ``[b,
+  query_len]`` queries and the lengths are per request, ``[b]`` (rows ``[n, b]``; the
+  kernel reads request ``t // query_len``'s). ``pair``: see :func:`gather_fn`;
+  ``early``: its early loads for the quantized sets."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
@@ -96,7 +99,9 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False
     masked = lengths is not None and topk % BLOCK_K == 0
     if topk % BLOCK_K:  # a partial last step: indices padded, unusable entries -1
       lengths = None if lengths is None else jnp.clip(lengths, 0, topk)
-      indices = clean_indices(indices, lengths, num_slots)
+      per_token = (lengths if lengths is None or query_len is None
+                   else jnp.repeat(lengths, query_len))
+      indices = clean_indices(indices, per_token, num_slots)
     # Otherwise the gather refuses slots outside the cache and (masked) positions past
     # the length itself, and the kernel clips the lengths: no XLA pre-pass.
     all_indices.append(indices)
@@ -107,8 +112,8 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False
                              length_row=None if lengths is None else len(all_lengths)))
     if lengths is not None:
       all_lengths.append(lengths)
-  return (tuple(gathers), jnp.stack(all_lengths) if all_lengths else None, all_indices,
-          all_rows)
+  rows = [n.reshape(1, -1) for n in all_lengths]  # a reshape, not a broadcast: no XLA op
+  return tuple(gathers), jnp.concatenate(rows) if rows else None, all_indices, all_rows
 
 
 def leading_inputs(lengths, q, sink):
@@ -133,17 +138,18 @@ def decode_lse(lse, query_len: int | None):
   return lse.reshape(-1, query_len, lse.shape[1]).transpose(0, 2, 1)
 
 
-def first_steps(len_ref, t, idx_refs, gathers):
+def first_steps(len_ref, request, idx_refs, gathers):
   """``first``: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (the sets' steps
   run back to back in one softmax); ``first[-1]`` is the token's number of steps. Set
-  ``k``'s length (row ``gathers[k].length_row`` of ``len_ref``; none: ``topk``) is
-  clipped to ``[0, topk]`` (``idx_refs[k]``: its ``[T, topk]`` indices)."""
+  ``k``'s length (row ``gathers[k].length_row`` of ``len_ref``, column ``request``: the
+  token, or a decode's request; none: ``topk``) is clipped to ``[0, topk]``
+  (``idx_refs[k]``: its ``[T, topk]`` indices)."""
   first = [0]
   for idx_ref, gather in zip(idx_refs, gathers, strict=True):
     topk = idx_ref.shape[1]
     row = gather.length_row
     length = (topk if row is None
-              else jnp.minimum(jnp.maximum(len_ref[row, t], 0), topk))
+              else jnp.minimum(jnp.maximum(len_ref[row, request], 0), topk))
     first.append(first[-1] + lax.div(length + (BLOCK_K - 1), BLOCK_K))
   return first
 
@@ -163,8 +169,8 @@ def split_steps(first, splits: int):
 
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main, kv_rope,
-            valid, barriers, first, base=None, producer: int = 0, producers: int = 1,
-            pair=None):
+            valid, barriers, first, base=None, request=None, producer: int = 0,
+            producers: int = 1, pair=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
   With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with ``i %
@@ -186,6 +192,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     first: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (traced).
     base: per set, the 64-index block its step ``first[k]`` reads (traced; None: 0): a
       CTA taking one split of a token's keys starts inside a set.
+    request: the column of ``len_ref`` with the token's lengths (None: ``t``; a decode
+      with lengths per request: ``t // query_len``).
     producer, producers: this producer's index and their number.
     pair: None, or the CTA is one of a 2-CTA cluster that shares each step (``gathers``
       made with ``pair=True``): the SMEM uint32 ``[stages, 4]`` of
@@ -193,6 +201,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       stage; ``free_bar`` is a cluster barrier (both CTAs' consumers free a stage).
   """
   q_bar, kv_bar, free_bar = barriers
+  request = t if request is None else request
   num_stages = kv_main.shape[0]
   staged = lambda j: valid.at[  # noqa: E731  this producer's steps alternate two rows
       num_stages + 2 * producer + lax.rem(lax.div(j, producers), 2)]
@@ -253,7 +262,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       # distance is the step's position in the row) and the token's length.
       where = ((idx_ref.at[t, pl.ds((i + offset) * BLOCK_K, BLOCK_K)],
                 idx_ref.at[t, pl.ds(0, BLOCK_K)],
-                len_ref.at[gathers[k].length_row, pl.ds(t, 1)])
+                len_ref.at[gathers[k].length_row, pl.ds(request, 1)])
                if masked else ())
       # Early loads: the rows are on their way while the slot's reader finishes.
       words = () if load is None else (load(kv_ref, staged(i), *where),)

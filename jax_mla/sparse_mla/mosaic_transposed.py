@@ -59,14 +59,14 @@ from jax_mla.sparse_mla.mosaic_gather import (
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits, direct_lse):
+            scale, tokens, splits, query_len, direct_lse):
   """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
   their caches, then the outputs (``O``
   ``[splits * T * h_pad, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
-  32)]``; split ``s`` writes part ``s``; with ``direct_lse``, a decode's query
-  length, the LSE is ``[T / direct_lse, h_pad, direct_lse]``), the SMEM refs and the
-  barriers."""
+  32)]``; split ``s`` writes part ``s``; with ``direct_lse``, the LSE is ``[T /
+  query_len, h_pad, query_len]``), the SMEM refs and the barriers. ``query_len``: the
+  tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -76,7 +76,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   h0 = lax.axis_index("h") * heads
   wg = lax.axis_index("wg")
   r0 = t * h_pad + h0
-  first, base = split_steps(first_steps(len_ref, t, idx_refs, gathers), splits)
+  request = t if query_len is None else lax.div(t, query_len)
+  first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
   part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
 
@@ -122,10 +123,10 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
       @owner(k)
       def _(k=k, ref=ref):
-        if k == 1 and direct_lse is not None:  # FlashMLA's layout: 4-byte rows, no TMA
-          b, s = lax.div(t, direct_lse), lax.rem(t, direct_lse)
+        if k == 1 and direct_lse:  # FlashMLA's layout: 4-byte rows, no TMA
+          b, s = lax.div(t, query_len), lax.rem(t, query_len)
           _mosaic.store_heads(plgpu, stats.at[k], ref.at[b, pl.ds(h0, heads), pl.ds(s, 1)],
-                              count=heads, stride=direct_lse)
+                              count=heads, stride=query_len)
         else:
           plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
 
@@ -159,7 +160,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       _mosaic.set_registers(plgpu, config.producer_registers, warpgroups)
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
               kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-              barriers=(q_bar, kv_bar, free_bar), first=first, base=base, producer=p,
+              barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
+              producer=p,
               producers=config.producers)
 
 
@@ -225,7 +227,8 @@ def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barrier
 def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
            query_len: int | None = None):
   """:func:`jax_mla.sparse_mla.mosaic.attend` for ``h_q`` up to 32. ``query_len``: the
-  tokens are a decode's ``[b, query_len]`` queries, and the LSE comes as FlashMLA's
+  tokens are a decode's ``[b, query_len]`` queries (the sets' lengths per request,
+  ``[b]``), and the LSE comes as FlashMLA's
   decode LSE ``[b, h_q, query_len]`` (without splits the kernel writes it so: no
   transpose after it)."""
   plgpu = _mosaic.plgpu()
@@ -236,13 +239,14 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # for its slot: fp8_ds_mla b128 h16 220 -> 208 us, fp8_model1 h16 187 -> 175 us (H100,
   # benchmarks/RESULTS.md, session 22). One producer (32 heads) gained nothing.
   early = config.producers > 1 and config.producer_registers >= EARLY_MIN_REGISTERS
-  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, early=early)
+  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, early=early,
+                                                          query_len=query_len)
   sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
   if h_pad > h_q:  # zero queries with -inf sinks in the padding heads, dropped after
     sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
     q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
   row = max(heads, _mosaic.MIN_VECTOR_ROW)
-  direct_lse = query_len if num_splits == 1 else None  # the kernel writes [b, h, s_q]
+  direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h, s_q]
   # Split parts are combined before the sinks apply: the kernel then runs without.
   inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_pad, d_qk),
                                    sink if num_splits == 1 else None)
@@ -271,7 +275,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   )
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
-                             tokens=tokens, splits=num_splits, direct_lse=direct_lse)
+                             tokens=tokens, splits=num_splits, query_len=query_len,
+                             direct_lse=direct_lse)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
@@ -280,8 +285,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   n = num_splits * tokens
   out_type = (jax.ShapeDtypeStruct((n * h_pad, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((n * blocks, row), jnp.float32),
-              jax.ShapeDtypeStruct((n * blocks, row) if direct_lse is None else
-                                   (tokens // direct_lse, h_pad, direct_lse), jnp.float32))
+              jax.ShapeDtypeStruct((tokens // query_len, h_pad, query_len) if direct_lse
+                                   else (n * blocks, row), jnp.float32))
   grid = ({"grid": (tokens, blocks), "grid_names": ("t", "h")} if num_splits == 1 else
           {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
   out, max_logits, lse = plgpu.kernel(
@@ -295,8 +300,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
         max_logits.reshape(num_splits, -1, row), sink, heads=h_pad)
   else:  # rows of `row`, the first `heads` used; a direct LSE is [b, h_pad, s_q] already
     max_logits = max_logits[:, :heads]
-    lse = lse if direct_lse is not None else lse[:, :heads]
+    lse = lse if direct_lse else lse[:, :heads]
   max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
-  lse = (lse[:, :h_q] if direct_lse is not None
+  lse = (lse[:, :h_q] if direct_lse
          else decode_lse(lse.reshape(tokens, h_pad)[:, :h_q], query_len))
   return out.reshape(tokens, h_pad, D_MAIN)[:, :h_q], max_logits, lse
