@@ -45,6 +45,7 @@ from jax_mla import _mosaic, merge_mosaic
 from jax_mla._common import LOG2E, cdiv
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format
+from jax_mla.cache.model1 import Model1
 from jax_mla.sparse_mla import mosaic_transposed
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
@@ -163,7 +164,14 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   ``pair`` (H100, V4 decode rows b256 h128, interleaved medians): fp8_v41 542 / 531 us
   with it, 576 / 585 us without; fp8_model1 540 / 548 us with, 548 / 552 us without;
   fp8_ds_mla b128 is slower with it (532 vs 477 us: its 656-byte rows, RoPE included,
-  then go through registers twice), so it stays off there.
+  then go through registers twice), so it stays off there (2026-11-26: 502-525 vs 450
+  us). A paired producer gathers half the rows: 72 registers leave the consumers 216
+  (H100, fp8_model1 b256 h128, interleaved medians of two runs: 461.4 / 475.3 us against
+  487.8 / 510.4 at 208 / 88; 224 / 56 509.8, 200 / 104 498.2). Unpaired, 216 / 72 is
+  slower (fp8_ds_mla b128 498.1 vs 435.6 us, fp8_model1 h64 214.1 vs 202.5) and 200 /
+  104 the same (436.5, 201.2). The V4.1 formats' paired producers keep 88 (fp8_v41,
+  fp8_v41 + fp4_v41, fp4_v41 h128: 477.8 / 475.2 / 477.0 us at 208 / 88, 478.6 / 484.1 /
+  489.4 at 216 / 72).
   """
   if transposed(h_q):
     if _mosaic.transposed_tiles(h_q)[1] > _mosaic.TRANSPOSED_ROW_ALIGN:
@@ -172,8 +180,10 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
       return Config(consumer_registers=184, producer_registers=160, consumers=1, producers=2)
     return Config(consumer_registers=232, producer_registers=136, consumers=1, producers=2)
   if dequantized(fmt):
-    return Config(consumer_registers=208, producer_registers=88,
-                  pair=h_q % (2 * BLOCK_H) == 0 and not isinstance(fmt, DsMla))
+    pair = h_q % (2 * BLOCK_H) == 0 and not isinstance(fmt, DsMla)
+    if pair and isinstance(fmt, Model1):
+      return Config(consumer_registers=216, producer_registers=72, pair=True)
+    return Config(consumer_registers=208, producer_registers=88, pair=pair)
   return Config(consumer_registers=232, producer_registers=40)
 
 
