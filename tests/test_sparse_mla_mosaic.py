@@ -110,6 +110,22 @@ def test_sinks(d_qk, h_q):
   _check(q, kv, idx, attn_sink=jnp.asarray(sink), topk_length=lengths)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [16, 32])
+def test_scores_far_above_the_last_max(h_q):
+  """Key rows grow along each token's indices (ascending on even tokens, descending on
+  odd ones): a step's max passes the last one's by up to about 14 (base 2), so the
+  accumulators are rescaled by tiny factors, or stays far below it (tiny ``P``)."""
+  rng = np.random.default_rng(h_q)
+  topk = 256
+  idx = np.sort(np.stack([rng.permutation(S_KV)[:topk] for _ in range(S_Q)]), axis=1)
+  idx[1::2] = idx[1::2, ::-1]
+  growth = 1.0 + np.arange(S_KV, dtype=np.float32)[:, None] / 4  # base-2 max: ~12 a step
+  kv = rng.standard_normal((S_KV, 576)).astype(np.float32) / 3 * growth
+  q = rng.standard_normal((S_Q, h_q, 576)).astype(np.float32) / 3
+  _check(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(idx))
+
+
 DECODE_CASES = [
     # dtype, b, s_q, h_q, topk, blocks, block_size, sink, lengths, extra (topk, blocks, bs)
     ("fp8_ds_mla", 3, 2, 64, 200, 11, 64, False, False, None),
@@ -185,6 +201,31 @@ def _check_decode(case, config=None):
   np.testing.assert_array_equal(np.isposinf(lse), empty)
   np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
   assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
+
+
+# More tokens than an H100 has SMs, at most 16 heads a CTA: persistent CTAs, each taking
+# two or three tokens, their ring and query buffers running on from one into the next.
+MANY_TOKEN_CASES = [
+    ("fp8_ds_mla", 150, 2, 16, 130, 40, 64, True, True, None),
+    ("fp8_model1", 150, 2, 8, 130, 3, 256, False, True, (200, 12, 64)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MANY_TOKEN_CASES, ids=lambda c: f"{c[0]}-h{c[3]}")
+def test_decode_more_tokens_than_sms(case):
+  _check_decode(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_prefill_more_tokens_than_sms(d_qk):
+  rng = np.random.default_rng(d_qk + 1)
+  s_q = 271
+  q, kv, idx = _case(rng, s_q, 16, d_qk, S_KV, 192)
+  lengths = jnp.asarray(rng.integers(-1, 200, s_q), jnp.int32)
+  sink = jnp.asarray(rng.standard_normal(16), jnp.float32)
+  _check(q, kv, idx, topk_length=lengths, attn_sink=sink)
 
 
 @pytest.mark.gpu

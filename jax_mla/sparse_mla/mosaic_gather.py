@@ -170,12 +170,14 @@ def split_steps(first, splits: int):
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main, kv_rope,
             valid, barriers, first, base=None, request=None, producer: int = 0,
-            producers: int = 1, pair=None):
+            producers: int = 1, pair=None, ring_start=0):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
-  With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with ``i %
-  producers == p`` into ring slot ``i % stages`` (so ``stages`` is a multiple of
-  ``producers``): each has its own step's loads in flight.
+  With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with
+  ``(ring_start + i) % producers == p`` into ring slot ``(ring_start + i) % stages`` (so
+  ``stages`` is a multiple of ``producers``): each has its own step's loads in flight.
+  ``ring_start``: the ring steps of the tokens this CTA took before (a persistent CTA's
+  ring runs on from one token into the next).
 
   Args:
     t: the token.
@@ -218,15 +220,21 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
   wait_copies = plgpu.inline_mgpu()(wait_copies_fn)
   wait_peer = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_wait_peer)
 
+  def ring_slot(i):
+    return lax.rem(ring_start + i, num_stages)
+
   def ready(i):
     # Each thread waits for its own copies (a pair: thread 0 also for the peer's
     # stores); the fence orders them before wgmma's (async-proxy) reads; the arrival
     # (all 128 threads count as one) publishes them.
     wait_copies()
     if paired:
-      wait_peer(pair.at[lax.rem(i, num_stages)])
+      wait_peer(pair.at[ring_slot(i)])
     plgpu.commit_smem()
-    plgpu.barrier_arrive(kv_bar.at[lax.rem(i, num_stages)])
+    plgpu.barrier_arrive(kv_bar.at[ring_slot(i)])
+
+  # This producer's first step of the token (its steps are mine, mine + producers, ...).
+  mine = lax.rem(producer - lax.rem(ring_start, producers) + producers, producers)
 
   for k, (gather_fn_k, idx_ref, kv_ref) in enumerate(zip(gathers, idx_refs, kv_refs,
                                                         strict=True)):
@@ -239,7 +247,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
         return_type=plgpu.ShapeDtypeStruct((128 * gather_fn_k.words,), jnp.int32,
                                            layout=words[0]))(gather_fn_k.load) if early else None
     offset = (0 if base is None else base[k]) - first[k]  # step i reads block i + offset
-    start = first[k] + lax.rem(producer - lax.rem(first[k], producers) + producers, producers)
+    start = first[k] + lax.rem(mine - lax.rem(first[k], producers) + producers, producers)
     # The set's first step of this producer reads indices staged here (a producer with
     # no step in the set stages a block of it that exists); each step stages its next's.
     block = jnp.clip(jnp.minimum(start, first[k + 1] - 1) + offset, 0,
@@ -249,7 +257,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     @pl.loop(start, first[k + 1], step=producers)
     def _(i, k=k, gather=gather, load=load, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset,
           masked=masked):
-      slot = lax.rem(i, num_stages)
+      slot = ring_slot(i)
 
       # This producer's previous step landed while the consumers worked: publish it
       # before waiting for slot i's previous reader, so the consumers never wait on an
@@ -267,7 +275,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       # Early loads: the rows are on their way while the slot's reader finishes.
       words = () if load is None else (load(kv_ref, staged(i), *where),)
 
-      @pl.when(i >= num_stages)
+      @pl.when(ring_start + i >= num_stages)
       def _():
         plgpu.barrier_wait(free_bar.at[slot])
 
@@ -279,9 +287,9 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
              *(() if pair is None else (pair.at[slot],)), *where)
 
   steps = first[-1]
-  last = steps - 1 - lax.rem(steps - 1 - producer + producers, producers)  # its last step
+  last = steps - 1 - lax.rem(steps - 1 - mine + producers, producers)  # its last step
 
-  @pl.when(steps > producer)
+  @pl.when(steps > mine)
   def _():
     ready(last)
 

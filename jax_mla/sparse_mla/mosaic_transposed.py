@@ -10,10 +10,15 @@ on the M side instead and the heads on N (a multiple of 16):
 - ``O^T += V^T P^T``: each of the two consumer warpgroups owns 256 of the 512 output
   rows of ``O^T``.
 
-One CTA takes one query token and a block of at most 32 heads
+A CTA takes a query token and a block of at most 32 heads
 (:func:`jax_mla._mosaic.transposed_tiles`); the producer warpgroup and its ring of
 gathered bf16 key stages are the other kernel's
-(:func:`jax_mla.sparse_mla.mosaic_gather.produce`). By default one consumer warpgroup
+(:func:`jax_mla.sparse_mla.mosaic_gather.produce`). With 16 heads a CTA and one
+consumer, the CTAs are persistent, one per SM, each taking token after token: the
+producers gather the next token's first stages and its query lands in a second
+buffer while the consumer finishes the last one, so a CTA's start-up (5.6 us, H100,
+prefill h16) is paid once per SM, not once per token (prefill h16 1643 -> 1576 us,
+fp8_model1 h16 130 -> 117 us; benchmarks/RESULTS.md, session 24). By default one consumer warpgroup
 takes every stage (``Config(consumers=1)``, :func:`_consume_alone`): with at most 32
 heads its two ``[256, heads]`` accumulators fit, and the registers it leaves go to a
 second producer (16 heads a CTA), since the gather of random rows sets the pace (H100,
@@ -42,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic, merge_mosaic
-from jax_mla._common import LOG2E
+from jax_mla._common import LOG2E, num_sms
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
   D_MAIN,
@@ -59,32 +64,35 @@ from jax_mla.sparse_mla.mosaic_gather import (
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits, query_len, direct_lse):
+            scale, tokens, splits, query_len, direct_lse, persistent):
   """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
   their caches, then the outputs (``O``
   ``[splits * T * h_pad, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
   32)]``; split ``s`` writes part ``s``; with ``direct_lse``, the LSE is ``[T /
   query_len, h_pad, query_len]``), the SMEM refs and the barriers. ``query_len``: the
-  tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request."""
+  tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request.
+  ``persistent``: the grid is one CTA per SM (axis ``"p"``), each taking the (token,
+  head block) items ``p, p + ctas, ...`` with its ring running on from one item into
+  the next (:func:`_items`)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, p_t, stats, p_stats = smem
-  q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
-  t = lax.axis_index("t")
-  h0 = lax.axis_index("h") * heads
+  q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
   wg = lax.axis_index("wg")
-  r0 = t * h_pad + h0
-  request = t if query_len is None else lax.div(t, query_len)
-  first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
+  blocks = h_pad // heads
   part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
-
   consumers = config.consumers
   warpgroups = consumers + config.producers
-  o_rows = pl.ds(part * tokens * h_pad + r0, heads)
-  block = (part * tokens + t) * lax.axis_size("h") + lax.axis_index("h")
+
+  def item(t, h):
+    """This item's token ``t``, head block ``h``: ``(r0, h0, request, first, base)``."""
+    h0 = h * heads
+    request = t if query_len is None else lax.div(t, query_len)
+    first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
+    return t * h_pad + h0, h0, request, first, base
 
   def key_mask(slot):
     def apply(s):  # the producer wrote each key's validity beside the stage
@@ -93,23 +101,24 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     return apply
 
-  def load_sink():  # read in the epilogue, straight from GMEM (no TMA of fewer than 32)
-    if sink_ref is None:
-      return None
-    return plgpu.load(sink_ref.at[pl.ds(h0, heads)], (), layout=_mosaic.col_layout(plgpu),
-                      optimized=False)
-
-  def finish(halves, m, l):
+  def finish(t, h, q_main, halves, m, l):
     """The epilogue once the consumers are done with Q: its halves stage O (O^T stored
     transposed). This consumer writes the output halves ``halves`` (``(h, acc)``
     pairs) and the per-head rows it owns: all with one consumer; with two, consumer 0
     the max logits and consumer 1 the LSE."""
+    r0, h0 = t * h_pad + h * heads, h * heads
+    o_rows = pl.ds(part * tokens * h_pad + r0, heads)
+    block = (part * tokens + t) * blocks + h
     owner = (lambda k: lambda f: f()) if consumers == 1 else (lambda k: pl.when(wg == k))
-    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, load_sink())
+    sink = (None if sink_ref is None else  # from GMEM (no TMA of fewer than 32)
+            plgpu.load(sink_ref.at[pl.ds(h0, heads)], (), layout=_mosaic.col_layout(plgpu),
+                       optimized=False))
+    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     per_head = ((max_logits, ml_ref), (lse, lse_ref))
-    for h, acc in halves:
+    for half, acc in halves:
       o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
-      q_main.at[h].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
+      q_main.at[half].transpose((1, 0))[...] = plgpu.layout_cast(
+          o, plgpu.Layout.WGMMA_TRANSPOSED)
     for k, (vec, _) in enumerate(per_head):
 
       @owner(k)
@@ -117,8 +126,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
         stats.at[k, pl.ds(0, heads)][...] = vec
 
     plgpu.commit_smem()
-    for h, _ in halves:
-      plgpu.copy_smem_to_gmem(q_main.at[h], o_ref.at[o_rows, pl.ds(h * HALF, HALF)])
+    for half, _ in halves:
+      plgpu.copy_smem_to_gmem(q_main.at[half], o_ref.at[o_rows, pl.ds(half * HALF, HALF)])
     for k, (_, ref) in enumerate(per_head):
 
       @owner(k)
@@ -132,41 +141,90 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     plgpu.wait_smem_to_gmem(0)
 
+  q_buffers = q_main.shape[0]
+
+  def query_buffer(k):  # item k's query buffer (they alternate)
+    return 0 if q_buffers == 1 else lax.rem(k, q_buffers)
+
+  def for_each_item(body):
+    _items(body, persistent=persistent, tokens=tokens, blocks=blocks)
+
   @pl.when(wg < consumers)
   def _consumer():
     _mosaic.set_registers(plgpu, config.consumer_registers, warpgroups)
-    if consumers == 1:
-      accs, m, l = _consume_alone(plgpu, q_main=q_main, q_rope=q_rope if has_rope else None,
-                                  k_main=kv_main, k_rope=kv_rope, p_t=p_t, steps=first[-1],
-                                  barriers=(q_bar, kv_bar, free_bar), mask=key_mask,
-                                  scale=scale)
-      finish(list(enumerate(accs)), m, l)
-    else:
-      acc, m, l = _mosaic.consume_stages(
-          plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-          k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
-          shared=(p_stats, p_ready), mask=lambda i, slot: key_mask(slot), scale=scale,
-          p_t=p_t)
-      finish([(wg, acc)], m, l)
 
-  rows = pl.ds(r0, heads)
-  q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
-  if has_rope:
-    q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
+    def consume(k, t, h, ring_start):
+      _, _, _, first, _ = item(t, h)
+      b = query_buffer(k)
+      q = q_main.at[b]
+      rope = q_rope.at[b] if has_rope else None
+      if consumers == 1:
+        accs, m, l = _consume_alone(
+            plgpu, q_main=q, q_rope=rope, k_main=kv_main, k_rope=kv_rope, p_t=p_t,
+            steps=first[-1], barriers=(q_bar.at[b], kv_bar, free_bar), mask=key_mask,
+            scale=scale, ring_start=ring_start)
+        finish(t, h, q, list(enumerate(accs)), m, l)
+      else:
+        acc, m, l = _mosaic.consume_stages(
+            plgpu, wg=wg, q_main=q, q_rope=rope, k_main=kv_main, k_rope=kv_rope,
+            steps=first[-1], barriers=(q_bar.at[b], kv_bar, free_bar, done_bar),
+            shared=(p_stats, p_ready), mask=lambda i, slot: key_mask(slot), scale=scale,
+            p_t=p_t)
+        finish(t, h, q, [(wg, acc)], m, l)
+      if persistent:  # a later item's query may land in this buffer (the output staging)
+        plgpu.barrier_arrive(q_free[0].at[b])
+      return first[-1]
+
+    for_each_item(consume)
+
   for p in range(config.producers):
 
     @pl.when(wg == consumers + p)
     def _producer(p=p):
       _mosaic.set_registers(plgpu, config.producer_registers, warpgroups)
-      produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
-              kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-              barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
-              producer=p,
-              producers=config.producers)
+
+      def gather(k, t, h, ring_start):
+        r0, _, request, first, base = item(t, h)
+        b = query_buffer(k)
+        rows = pl.ds(r0, heads)
+        q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[b, c]) for c in range(2)]
+        if has_rope:
+          q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope.at[b]))
+        if persistent and p == 0:
+
+          @pl.when(k >= q_buffers)
+          def _():
+            plgpu.barrier_wait(q_free[0].at[b])
+
+        produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+                len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope,
+                valid=valid, barriers=(q_bar.at[b], kv_bar, free_bar), first=first, base=base,
+                request=request, producer=p, producers=config.producers,
+                ring_start=ring_start)
+        return first[-1]
+
+      for_each_item(gather)
+
+
+def _items(body, *, persistent: bool, tokens: int, blocks: int):
+  """Runs ``body(k, t, h, ring_start)`` for this CTA's items: its ``k``-th (token ``t``,
+  head block ``h``), after ``ring_start`` ring steps of its earlier items (``body``
+  returns its item's steps). One item (grid axes ``"t"``, ``"h"``), or with
+  ``persistent`` items ``p, p + ctas, ...`` of the ``tokens * blocks`` (axis ``"p"``)."""
+  if not persistent:
+    body(0, lax.axis_index("t"), lax.axis_index("h"), 0)
+    return
+  ctas, me = lax.axis_size("p"), lax.axis_index("p")
+
+  def one(k, ring_start):
+    w = me + k * ctas
+    return ring_start + body(k, lax.div(w, blocks), lax.rem(w, blocks), ring_start)
+
+  lax.fori_loop(0, lax.div(tokens * blocks - me + ctas - 1, ctas), one, jnp.int32(0))
 
 
 def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barriers, mask,
-                   scale):
+                   scale, ring_start=0):
   """The attention loop of a kernel's only consumer warpgroup (``Config(consumers=1)``):
   every stage's ``S^T = K Q^T``, mask, online softmax down the columns (base 2) and ``O^T
   += V^T P^T`` over all 512 rows, as two ``[256, heads]`` float32 accumulators. Nothing
@@ -189,7 +247,7 @@ def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barrier
 
   def step(i, carry):
     accs, m, l = carry
-    slot = lax.rem(i, num_stages)
+    slot = lax.rem(ring_start + i, num_stages)
     apply_mask = mask(slot)
     plgpu.barrier_wait(kv_bar.at[slot])
 
@@ -255,9 +313,15 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
   num_stages = config.num_stages
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, heads, num_stages)
+  # One consumer, no splits, at most 16 heads a CTA: a CTA per SM takes item after item,
+  # its producers gathering the next item's first stages while the consumer finishes
+  # the last one, and the next query landing in a second buffer (188 of 227 KiB of
+  # SMEM; 32 heads a CTA do not fit two, and with one they were 2-4% slower).
+  persistent = config.consumers == 1 and num_splits == 1 and heads <= 16
+  q_buffers = 2 if persistent else 1
   smem = (
-      plgpu.SMEM((2, heads, HALF), jnp.bfloat16, transforms=tiles),
-      plgpu.SMEM((heads, rope), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((q_buffers, 2, heads, HALF), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((q_buffers, heads, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((num_stages + 2 * config.producers, BLOCK_K), jnp.int32),
@@ -267,16 +331,18 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   )
   q_copies = 2 + (d_qk > D_MAIN)  # NoPE halves, RoPE
   barriers = (
-      plgpu.Barrier(num_arrivals=q_copies),
+      plgpu.Barrier(num_arrivals=q_copies, num_barriers=q_buffers),
       plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # stage gathered (producer)
       plgpu.Barrier(num_arrivals=config.consumers, num_barriers=num_stages),  # stage free
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query (two only)
       shared_barrier,
-  )
+  ) + ((plgpu.Barrier(num_arrivals=1, num_barriers=q_buffers),)  # a query buffer is free
+         if persistent else ())
+  items = tokens * blocks
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
                              tokens=tokens, splits=num_splits, query_len=query_len,
-                             direct_lse=direct_lse)
+                             direct_lse=direct_lse, persistent=persistent)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
@@ -287,8 +353,9 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
               jax.ShapeDtypeStruct((n * blocks, row), jnp.float32),
               jax.ShapeDtypeStruct((tokens // query_len, h_pad, query_len) if direct_lse
                                    else (n * blocks, row), jnp.float32))
-  grid = ({"grid": (tokens, blocks), "grid_names": ("t", "h")} if num_splits == 1 else
-          {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
+  grid = ({"grid": (min(items, num_sms()),), "grid_names": ("p",)} if persistent
+          else {"grid": (tokens, blocks), "grid_names": ("t", "h")} if num_splits == 1
+          else {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid,
       num_threads=config.consumers + config.producers, thread_name="wg",
