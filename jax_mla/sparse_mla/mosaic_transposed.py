@@ -18,12 +18,12 @@ consumer, the CTAs are persistent, one per SM, each taking token after token: th
 producers gather the next token's first stages and its query lands in a second
 buffer while the consumer finishes the last one, so a CTA's start-up (5.6 us, H100,
 prefill h16) is paid once per SM, not once per token (prefill h16 1643 -> 1576 us,
-fp8_model1 h16 130 -> 117 us; benchmarks/RESULTS.md, session 24). By default one consumer warpgroup
-takes every stage (``Config(consumers=1)``, :func:`_consume_alone`): with at most 32
-heads its two ``[256, heads]`` accumulators fit, and the registers it leaves go to a
-second producer (16 heads a CTA), since the gather of random rows sets the pace (H100,
-fp8_ds_mla b128 h16: 211 vs 241-248 us; benchmarks/RESULTS.md, session 21). With two
-consumers they take the stages in turns as the head-block kernel's do
+fp8_model1 h16 130 -> 117 us; benchmarks/RESULTS.md, session 24). By default one
+consumer warpgroup takes every stage (``Config(consumers=1)``, :func:`_consume_alone`):
+with at most 32 heads its two ``[256, heads]`` accumulators fit, and the registers it
+leaves go to a second producer (16 heads a CTA), since the gather of random rows sets
+the pace (H100, fp8_ds_mla b128 h16: 211 vs 241-248 us; benchmarks/RESULTS.md, session
+21). With two consumers they take the stages in turns as the head-block kernel's do
 (:func:`jax_mla._mosaic.consume_stages`): stage ``i``'s ``S^T`` and softmax run in
 warpgroup ``i % 2``, which hands ``P^T`` (bf16, its own SMEM tile per stage) and the
 columns' rescale factor to both. The column reductions cross the warps of a warpgroup
@@ -88,11 +88,10 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   warpgroups = consumers + config.producers
 
   def item(t, h):
-    """This item's token ``t``, head block ``h``: ``(r0, h0, request, first, base)``."""
-    h0 = h * heads
+    """Token ``t``, head block ``h``: ``(first query row, request, first, base)``."""
     request = t if query_len is None else lax.div(t, query_len)
     first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
-    return t * h_pad + h0, h0, request, first, base
+    return t * h_pad + h * heads, request, first, base
 
   def key_mask(slot):
     def apply(s):  # the producer wrote each key's validity beside the stage
@@ -154,7 +153,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     _mosaic.set_registers(plgpu, config.consumer_registers, warpgroups)
 
     def consume(k, t, h, ring_start):
-      _, _, _, first, _ = item(t, h)
+      _, _, first, _ = item(t, h)
       b = query_buffer(k)
       q = q_main.at[b]
       rope = q_rope.at[b] if has_rope else None
@@ -184,7 +183,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       _mosaic.set_registers(plgpu, config.producer_registers, warpgroups)
 
       def gather(k, t, h, ring_start):
-        r0, _, request, first, base = item(t, h)
+        r0, request, first, base = item(t, h)
         b = query_buffer(k)
         rows = pl.ds(r0, heads)
         q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[b, c]) for c in range(2)]
