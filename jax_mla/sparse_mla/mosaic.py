@@ -16,9 +16,10 @@ stages in turns:
   (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
   of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
   split each step's gather between their producers.
-- ``h_q`` up to 32 (:mod:`.mosaic_transposed`): one CTA per token with the keys on
+- ``h_q`` up to 32 (:mod:`.mosaic_transposed`): a CTA takes a token with the keys on
   the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
-  spent on a head that is not there.
+  spent on a head that is not there; at up to 16 heads the CTAs are persistent, one
+  per SM, each taking token after token.
 - decode with few tokens (either kernel): each token's key steps are split over
   ``Config.num_splits`` CTAs and the parts combined by :mod:`jax_mla.merge_mosaic`
   (H200, fp8_ds_mla h128 topk 2048, b 4: 16 splits 44-47 us, one 124-129 us).
