@@ -420,7 +420,7 @@ def sparse_decode(q, sets, attn_sink, *, fmts: tuple[Format, ...], sm_scale, con
   None)`` (with ``query_len``: ``lengths[T / query_len]``, one per request),
   set ``k`` in format ``fmts[k]``, attended in one softmax. Returns ``(out, max_logits,
   lse)`` over ``T``; with ``query_len`` (``T = b * query_len``), ``lse`` is FlashMLA's
-  decode LSE ``[b, h_q, query_len]`` (the transposed kernel writes it so itself).
+  decode LSE ``[b, h_q, query_len]`` (without splits, either kernel writes it so itself).
   """
   steps = sum(cdiv(idx.shape[1], BLOCK_K) for _, idx, _ in sets)
   ctas = q.shape[0] * (_mosaic.transposed_tiles(q.shape[1])[0] if transposed(q.shape[1])

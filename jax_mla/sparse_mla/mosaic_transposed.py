@@ -80,6 +80,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, p_t, stats, p_stats = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
+  q_free = q_free[0] if persistent else None  # a query buffer is free again
   wg = lax.axis_index("wg")
   blocks = h_pad // heads
   part = 0 if splits == 1 else lax.axis_index("s")
@@ -100,11 +101,11 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     return apply
 
-  def finish(t, h, q_main, halves, m, l):
-    """The epilogue once the consumers are done with Q: its halves stage O (O^T stored
-    transposed). This consumer writes the output halves ``halves`` (``(h, acc)``
-    pairs) and the per-head rows it owns: all with one consumer; with two, consumer 0
-    the max logits and consumer 1 the LSE."""
+  def finish(t, h, q, halves, m, l):
+    """The epilogue once the consumers are done with the item's query buffer ``q``: its
+    halves stage O (O^T stored transposed). This consumer writes the output halves
+    ``halves`` (``(half, acc)`` pairs) and the per-head rows it owns: all with one
+    consumer; with two, consumer 0 the max logits and consumer 1 the LSE."""
     r0, h0 = t * h_pad + h * heads, h * heads
     o_rows = pl.ds(part * tokens * h_pad + r0, heads)
     block = (part * tokens + t) * blocks + h
@@ -115,9 +116,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     per_head = ((max_logits, ml_ref), (lse, lse_ref))
     for half, acc in halves:
-      o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q_main.dtype)
-      q_main.at[half].transpose((1, 0))[...] = plgpu.layout_cast(
-          o, plgpu.Layout.WGMMA_TRANSPOSED)
+      o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q.dtype)
+      q.at[half].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
     for k, (vec, _) in enumerate(per_head):
 
       @owner(k)
@@ -126,7 +126,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     plgpu.commit_smem()
     for half, _ in halves:
-      plgpu.copy_smem_to_gmem(q_main.at[half], o_ref.at[o_rows, pl.ds(half * HALF, HALF)])
+      plgpu.copy_smem_to_gmem(q.at[half], o_ref.at[o_rows, pl.ds(half * HALF, HALF)])
     for k, (_, ref) in enumerate(per_head):
 
       @owner(k)
@@ -171,7 +171,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
             p_t=p_t)
         finish(t, h, q, [(wg, acc)], m, l)
       if persistent:  # a later item's query may land in this buffer (the output staging)
-        plgpu.barrier_arrive(q_free[0].at[b])
+        plgpu.barrier_arrive(q_free.at[b])
       return first[-1]
 
     for_each_item(consume)
@@ -193,7 +193,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
           @pl.when(k >= q_buffers)
           def _():
-            plgpu.barrier_wait(q_free[0].at[b])
+            plgpu.barrier_wait(q_free.at[b])
 
         produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
                 len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope,
