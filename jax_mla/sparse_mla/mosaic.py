@@ -213,7 +213,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
-  q_main, q_rope, kv_main, kv_rope, valid, sink_smem, stats, p_stats, *pair_bars = smem
+  q_main, q_rope, kv_main, kv_rope, valid, stats, p_stats, *pair_bars = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
   t = lax.axis_index("t")
   head_block = lax.axis_index("h") * 2 + lax.axis_index("c") if pair else lax.axis_index("h")
@@ -249,8 +249,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         shared=(p_stats, p_ready), mask=mask, scale=scale)
 
     # Both consumers are done with Q: its halves become the output staging.
-    sink = (None if sink_ref is None else
-            plgpu.load(sink_smem, (), layout=_mosaic.row_layout(plgpu), optimized=False))
+    sink = (None if sink_ref is None else  # from GMEM (no TMA of 64 floats needed)
+            plgpu.load(sink_ref.at[pl.ds(h0, BLOCK_H)], (), layout=_mosaic.row_layout(plgpu),
+                       optimized=False))
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
@@ -288,8 +289,6 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
     if has_rope:
       q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
-    if sink_ref is not None:
-      q_copies.append((sink_ref.at[pl.ds(h0, BLOCK_H)], sink_smem))
     produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
             kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
             barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
@@ -348,11 +347,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
       plgpu.SMEM((config.num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((config.num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((config.num_stages + 2, BLOCK_K), jnp.int32),  # one producer
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((2, BLOCK_H), jnp.float32),
       shared_smem,
   ) + ((plgpu.SMEM((config.num_stages, 4), jnp.uint32),) if pair else ())
-  q_copies = 2 + (d_qk > D_MAIN) + (sink is not None)  # NoPE halves, RoPE, sink
+  q_copies = 2 + (d_qk > D_MAIN)  # NoPE halves, RoPE
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
                   else plgpu.Barrier)
