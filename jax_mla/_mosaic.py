@@ -150,8 +150,14 @@ def default_num_splits(num_tiles: int, max_blocks: int, min_blocks: int = 4) -> 
       cdiv(num_tiles * s, sms) * (max_blocks / s + SPLIT_OVERHEAD_BLOCKS), s))
 
 
+def opaque_zero(i):
+  """0 for every int32 ``i`` (``i (i + 1)`` is even, wrapped or not), in a form the
+  compiler cannot fold: an offset that keeps a loop-invariant address inside the loop."""
+  return lax.bitwise_and(i * (i + 1), 1)
+
+
 def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, shared,
-                   mask, scale: float, p_t=None):
+                   mask, scale: float, p_t=None, ring_start=0, persistent=False):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
   (dense decode and sparse MLA; call after ``set_max_registers``).
 
@@ -203,6 +209,14 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
       keys to ``-inf``.
     scale: the softmax scale times ``log2(e)``.
     p_t: None, or (transposed) the SMEM ``[stages, rows, keys]`` tiles of ``P``.
+    ring_start: the ring steps the CTA consumed before (a persistent CTA's ring runs on
+      from one token into the next: stage ``i`` is in slot ``(ring_start + i) %
+      stages``).
+    persistent: the CTA calls this again for its next item. The call then leaves the
+      max hand-off barriers balanced and both warpgroups past their reads of the shared
+      scratch, and takes the query's wgmma descriptors afresh each step: LLVM would
+      hoist them (36 at d 576) out of the CTA's items loop, and ptxas then spills
+      them (216-296 bytes a thread, 25-35% slower; RESULTS.md, session 25).
 
   Returns:
     ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
@@ -246,9 +260,12 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
 
   plgpu.barrier_wait(q_bar)
 
+  q_halves = q_main
+
   def step(i, acc):
-    slot = lax.rem(i, num_stages)
+    slot = lax.rem(ring_start + i, num_stages)
     mine = lax.rem(i, 2)
+    q_main = q_halves.at[pl.ds(opaque_zero(i), 2)] if persistent else q_halves
 
     @pl.when(wg == mine)
     def _scores():
@@ -322,9 +339,16 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   plgpu.barrier_wait(done_bar)
   # The final max is the one published for the last stage (-inf with no stage); each
   # partial sum is brought to it (a warpgroup that computed no stage has 0 at -inf).
-  m = load(m_at(lax.rem(steps + 1, 2)))
+  last = lax.rem(steps + 1, 2)
+  m = load(m_at(last))
   m_use = jnp.where(m == -jnp.inf, 0.0, m)
   l = sum(load(l_at(w)) * jnp.exp2(load(u_at(w)) - m_use) for w in range(2))
+  if persistent:
+    # That last max's arrival is the one nobody waited for: the other warpgroup takes
+    # it, and neither starts the next token's stores before both are done reading.
+    pl.when(wg != last)(lambda: plgpu.barrier_wait(m_ready(last)))
+    plgpu.barrier_arrive(done_bar)
+    plgpu.barrier_wait(done_bar)
   return acc, m, l
 
 

@@ -203,11 +203,13 @@ def _check_decode(case, config=None):
   assert np.all(out.transpose(0, 2, 1, 3)[empty] == 0)
 
 
-# More tokens than an H100 has SMs, at most 16 heads a CTA: persistent CTAs, each taking
-# two or three tokens, their ring and query buffers running on from one into the next.
+# More tokens (times head blocks) than an H100 has SMs: persistent CTAs, each taking two
+# or more items, their ring and query buffers running on from one into the next.
 MANY_TOKEN_CASES = [
     ("fp8_ds_mla", 150, 2, 16, 130, 40, 64, True, True, None),
     ("fp8_model1", 150, 2, 8, 130, 3, 256, False, True, (200, 12, 64)),
+    ("fp8_ds_mla", 150, 2, 64, 130, 40, 64, True, True, None),
+    ("auto", 70, 2, 128, 100, 5, 61, True, True, (70, 40, 2)),
 ]
 
 
@@ -219,12 +221,13 @@ def test_decode_more_tokens_than_sms(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_prefill_more_tokens_than_sms(d_qk):
-  rng = np.random.default_rng(d_qk + 1)
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_prefill_more_tokens_than_sms(d_qk, h_q):
+  rng = np.random.default_rng(d_qk + h_q)
   s_q = 271
-  q, kv, idx = _case(rng, s_q, 16, d_qk, S_KV, 192)
+  q, kv, idx = _case(rng, s_q, h_q, d_qk, S_KV, 192)
   lengths = jnp.asarray(rng.integers(-1, 200, s_q), jnp.int32)
-  sink = jnp.asarray(rng.standard_normal(16), jnp.float32)
+  sink = jnp.asarray(rng.standard_normal(h_q), jnp.float32)
   _check(q, kv, idx, topk_length=lengths, attn_sink=sink)
 
 

@@ -15,7 +15,11 @@ stages in turns:
   both multiply ``P`` by their half of ``V`` (the first 512 columns of the same rows)
   (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
   of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
-  split each step's gather between their producers.
+  split each step's gather between their producers. Otherwise (and with one split)
+  the CTAs are persistent, one per SM, taking (token, head block) items one after
+  another: the producer gathers an item's first stage while the consumers still
+  finish the last item, then loads the item's query once the last output has left
+  the query's SMEM (its staging).
 - ``h_q`` up to 32 (:mod:`.mosaic_transposed`): a CTA takes a token with the keys on
   the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
   spent on a head that is not there; at up to 16 heads the CTAs are persistent, one
@@ -43,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic, merge_mosaic
-from jax_mla._common import LOG2E, cdiv
+from jax_mla._common import LOG2E, cdiv, num_sms
 from jax_mla.cache.ds_mla import DsMla
 from jax_mla.cache.layout import Format
 from jax_mla.cache.model1 import Model1
@@ -60,6 +64,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   kernel_inputs,
   leading_inputs,
   produce,
+  run_items,
   split_steps,
 )
 
@@ -201,7 +206,7 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair,
-            tokens, splits, query_len, direct_lse):
+            tokens, splits, query_len, direct_lse, persistent):
   """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``len_ref`` (None:
   no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them; ``refs``: the sets' indices, then
@@ -209,26 +214,33 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   ``splits`` above 1: this CTA takes split ``s`` of the token's steps and writes part
   ``s`` of the outputs (rows ``s * tokens * h_q + ...``). ``query_len``: the tokens are a
   decode's ``[b, query_len]`` queries, whose lengths are per request (``[n, b]``);
-  ``direct_lse``: the LSE output is ``[b, h_q, query_len]``."""
+  ``direct_lse``: the LSE output is ``[b, h_q, query_len]``. ``persistent``: one CTA
+  per SM takes (token, head block) items one after another
+  (:func:`.mosaic_gather.run_items`)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, stats, p_stats, *pair_bars = smem
-  q_bar, kv_bar, free_bar, done_bar, p_ready = barriers
-  t = lax.axis_index("t")
-  head_block = lax.axis_index("h") * 2 + lax.axis_index("c") if pair else lax.axis_index("h")
-  h0 = head_block * BLOCK_H
+  q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
+  q_free = q_free[0] if persistent else None
   wg = lax.axis_index("wg")
-  r0 = t * h_q + h0
-  # The sets' steps run back to back in one softmax: set k's rows are steps
-  # first[k] .. first[k + 1] - 1.
-  request = t if query_len is None else lax.div(t, query_len)
-  first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
-  out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
-  steps = first[-1]
+  blocks = h_q // BLOCK_H
   has_rope = d_qk > D_MAIN
   if pair:
     init_pair(plgpu, pair_bars[0])
+
+  def item(t, h):
+    """Token ``t``, head block ``h``: ``(first head, request, first, base)``. The sets'
+    steps run back to back in one softmax: set k's rows are steps first[k] ..
+    first[k + 1] - 1."""
+    if pair:
+      h = h * 2 + lax.axis_index("c")
+    request = t if query_len is None else lax.div(t, query_len)
+    first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
+    return h * BLOCK_H, request, first, base
+
+  def for_each_item(body):
+    run_items(body, persistent=persistent, tokens=tokens, blocks=blocks // (1 + pair))
 
   @pl.when(wg < 2)
   def _consumer():
@@ -243,56 +255,77 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
       return apply
 
-    acc, m, l = _mosaic.consume_stages(
-        plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-        k_rope=kv_rope, steps=steps, barriers=(q_bar, kv_bar, free_bar, done_bar),
-        shared=(p_stats, p_ready), mask=mask, scale=scale)
+    def consume(k, t, h, ring_start):
+      del k
+      h0, _, first, _ = item(t, h)
+      r0 = t * h_q + h0
+      out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
+      acc, m, l = _mosaic.consume_stages(
+          plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
+          k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
+          shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
+          persistent=persistent)
+      sink = (None if sink_ref is None else  # from GMEM (no TMA of 64 floats needed)
+              plgpu.load(sink_ref.at[pl.ds(h0, BLOCK_H)], (), layout=_mosaic.row_layout(plgpu),
+                         optimized=False))
+      inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
+      rows = pl.ds(out_r0, BLOCK_H)
+      # Both consumers are done with Q: its halves become the output staging.
+      q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
+          q_main.dtype)
 
-    # Both consumers are done with Q: its halves become the output staging.
-    sink = (None if sink_ref is None else  # from GMEM (no TMA of 64 floats needed)
-            plgpu.load(sink_ref.at[pl.ds(h0, BLOCK_H)], (), layout=_mosaic.row_layout(plgpu),
-                       optimized=False))
-    inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
-    q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
+      @pl.when(wg == 0)
+      def _():
+        stats.at[0][...] = max_logits
 
-    @pl.when(wg == 0)
-    def _():
-      stats.at[0][...] = max_logits
+      @pl.when(wg == 1)
+      def _():
+        stats.at[1][...] = lse
 
-    @pl.when(wg == 1)
-    def _():
-      stats.at[1][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[rows, pl.ds(wg * HALF, HALF)])
 
-    plgpu.commit_smem()
-    rows = pl.ds(out_r0, BLOCK_H)
-    plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[rows, pl.ds(wg * HALF, HALF)])
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[rows])
 
-    @pl.when(wg == 0)
-    def _():
-      plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[rows])
+      @pl.when(wg == 1)
+      def _():
+        if not direct_lse:
+          plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
+        else:  # FlashMLA's decode layout: 4-byte rows, no TMA
+          b, s = lax.div(t, query_len), lax.rem(t, query_len)
+          _mosaic.store_heads(plgpu, stats.at[1], lse_ref.at[b, pl.ds(h0, BLOCK_H), pl.ds(s, 1)],
+                              count=BLOCK_H, stride=query_len)
 
-    @pl.when(wg == 1)
-    def _():
-      if not direct_lse:
-        plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
-      else:  # FlashMLA's decode layout: 4-byte rows, no TMA
-        b, s = lax.div(t, query_len), lax.rem(t, query_len)
-        _mosaic.store_heads(plgpu, stats.at[1], lse_ref.at[b, pl.ds(h0, BLOCK_H), pl.ds(s, 1)],
-                            count=BLOCK_H, stride=query_len)
+      if persistent:  # the next query may land once the output has left its SMEM
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(q_free)
+      plgpu.wait_smem_to_gmem(0)
+      return first[-1]
 
-    plgpu.wait_smem_to_gmem(0)
+    for_each_item(consume)
 
   @pl.when(wg == 2)
   def _producer():
     _mosaic.set_registers(plgpu, config.producer_registers, 3)
-    rows = pl.ds(r0, BLOCK_H)
-    q_copies = [(q_ref.at[rows, pl.ds(h * HALF, HALF)], q_main.at[h]) for h in range(2)]
-    if has_rope:
-      q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
-    produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs, len_ref=len_ref,
-            kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
-            barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
-            pair=pair_bars[0] if pair else None)
+
+    def gather(k, t, h, ring_start):
+      h0, request, first, base = item(t, h)
+      rows = pl.ds(t * h_q + h0, BLOCK_H)
+      q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[c]) for c in range(2)]
+      if has_rope:
+        q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
+      # A persistent CTA's next query waits for both consumers to be done with the last.
+      q_gate = (None if q_free is None
+                else lambda: pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free)))
+      produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
+              len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
+              barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
+              pair=pair_bars[0] if pair else None, ring_start=ring_start, q_gate=q_gate)
+      return first[-1]
+
+    for_each_item(gather)
 
   if pair:  # neither CTA leaves while the other may still write to or arrive in it
     _mosaic.cluster_sync(plgpu)
@@ -351,6 +384,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
       shared_smem,
   ) + ((plgpu.SMEM((config.num_stages, 4), jnp.uint32),) if pair else ())
   q_copies = 2 + (d_qk > D_MAIN)  # NoPE halves, RoPE
+  # Without a pair or splits, one CTA per SM takes item after item: the producer
+  # gathers the next item's first stage while the consumers finish the last one.
+  persistent = not pair and num_splits == 1
+  items = tokens * (h_q // BLOCK_H)
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
                   else plgpu.Barrier)
@@ -360,11 +397,11 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
       free_barrier(num_arrivals=2, num_barriers=config.num_stages),  # free: the consumers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
       shared_barrier,
-  )
+  ) + ((plgpu.Barrier(num_arrivals=2),) if persistent else ())  # the query's SMEM is free
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
                              gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair,
                              tokens=tokens, splits=num_splits, query_len=query_len,
-                             direct_lse=direct_lse)
+                             direct_lse=direct_lse, persistent=persistent)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
@@ -375,14 +412,14 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
               jax.ShapeDtypeStruct((num_splits * n,), jnp.float32),
               jax.ShapeDtypeStruct((tokens // query_len, h_q, query_len) if direct_lse
                                    else (num_splits * n,), jnp.float32))
-  # The head blocks of one token are adjacent in launch order (the last grid axis is
-  # blockIdx.x): they gather the same rows, which L2 then serves once; a pair's are
-  # one cluster.
+  # The head blocks of one token run side by side (adjacent in launch order, the last
+  # grid axis being blockIdx.x, or adjacent items of adjacent persistent CTAs): they
+  # gather the same rows, which L2 then serves once; a pair's are one cluster.
   grid = ({"grid": (tokens, h_q // BLOCK_H // 2), "grid_names": ("t", "h"), "cluster": (2,),
            "cluster_names": ("c",)} if pair
           else {"grid": (tokens, num_splits, h_q // BLOCK_H), "grid_names": ("t", "s", "h")}
           if num_splits > 1
-          else {"grid": (tokens, h_q // BLOCK_H), "grid_names": ("t", "h")})
+          else {"grid": (min(items, num_sms()),), "grid_names": ("p",)})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -170,14 +170,17 @@ def split_steps(first, splits: int):
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main, kv_rope,
             valid, barriers, first, base=None, request=None, producer: int = 0,
-            producers: int = 1, pair=None, ring_start=0):
+            producers: int = 1, pair=None, ring_start=0, q_gate=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
   With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with
   ``(ring_start + i) % producers == p`` into ring slot ``(ring_start + i) % stages`` (so
   ``stages`` is a multiple of ``producers``): each has its own step's loads in flight.
   ``ring_start``: the ring steps of the tokens this CTA took before (a persistent CTA's
-  ring runs on from one token into the next).
+  ring runs on from one token into the next). ``q_gate``: None, or a function that
+  waits until the query's SMEM is free; producer 0 then issues the query copies after
+  its first step of the token (at once if it has none), so the token's first stages
+  are on their way while the last token's consumers still hold the query.
 
   Args:
     t: the token.
@@ -207,9 +210,15 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
   num_stages = kv_main.shape[0]
   staged = lambda j: valid.at[  # noqa: E731  this producer's steps alternate two rows
       num_stages + 2 * producer + lax.rem(lax.div(j, producers), 2)]
-  if producer == 0:
+  def copy_query():
+    if q_gate is not None:
+      q_gate()
     for src, dst in q_copies:
       plgpu.copy_gmem_to_smem(src, dst, q_bar)
+
+  late_query = q_gate is not None and producer == 0
+  if producer == 0 and not late_query:
+    copy_query()
 
   swizzled_ref = plgpu.RefType(_mosaic.swizzled(plgpu))
   arg_types = (plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref, plgpu.RefType(),
@@ -285,6 +294,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       gather(*words, idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
              kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next),
              *(() if pair is None else (pair.at[slot],)), *where)
+      if late_query:
+        pl.when(i == mine)(copy_query)
 
   steps = first[-1]
   last = steps - 1 - lax.rem(steps - 1 - mine + producers, producers)  # its last step
@@ -292,6 +303,26 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
   @pl.when(steps > mine)
   def _():
     ready(last)
+
+  if late_query:
+    pl.when(steps <= mine)(copy_query)
+
+
+def run_items(body, *, persistent: bool, tokens: int, blocks: int):
+  """Runs ``body(k, t, h, ring_start)`` for this CTA's items: its ``k``-th (token ``t``,
+  head block ``h``), after ``ring_start`` ring steps of its earlier items (``body``
+  returns its item's steps). One item (grid axes ``"t"``, ``"h"``), or with
+  ``persistent`` items ``p, p + ctas, ...`` of the ``tokens * blocks`` (axis ``"p"``)."""
+  if not persistent:
+    body(0, lax.axis_index("t"), lax.axis_index("h"), 0)
+    return
+  ctas, me = lax.axis_size("p"), lax.axis_index("p")
+
+  def one(k, ring_start):
+    w = me + k * ctas
+    return ring_start + body(k, lax.div(w, blocks), lax.rem(w, blocks), ring_start)
+
+  lax.fori_loop(0, lax.div(tokens * blocks - me + ctas - 1, ctas), one, jnp.int32(0))
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,

@@ -59,6 +59,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   kernel_inputs,
   leading_inputs,
   produce,
+  run_items,
   split_steps,
 )
 
@@ -74,7 +75,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request.
   ``persistent``: the grid is one CTA per SM (axis ``"p"``), each taking the (token,
   head block) items ``p, p + ctas, ...`` with its ring running on from one item into
-  the next (:func:`_items`)."""
+  the next (:func:`.mosaic_gather.run_items`)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
@@ -146,7 +147,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     return 0 if q_buffers == 1 else lax.rem(k, q_buffers)
 
   def for_each_item(body):
-    _items(body, persistent=persistent, tokens=tokens, blocks=blocks)
+    run_items(body, persistent=persistent, tokens=tokens, blocks=blocks)
 
   @pl.when(wg < consumers)
   def _consumer():
@@ -203,23 +204,6 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
         return first[-1]
 
       for_each_item(gather)
-
-
-def _items(body, *, persistent: bool, tokens: int, blocks: int):
-  """Runs ``body(k, t, h, ring_start)`` for this CTA's items: its ``k``-th (token ``t``,
-  head block ``h``), after ``ring_start`` ring steps of its earlier items (``body``
-  returns its item's steps). One item (grid axes ``"t"``, ``"h"``), or with
-  ``persistent`` items ``p, p + ctas, ...`` of the ``tokens * blocks`` (axis ``"p"``)."""
-  if not persistent:
-    body(0, lax.axis_index("t"), lax.axis_index("h"), 0)
-    return
-  ctas, me = lax.axis_size("p"), lax.axis_index("p")
-
-  def one(k, ring_start):
-    w = me + k * ctas
-    return ring_start + body(k, lax.div(w, blocks), lax.rem(w, blocks), ring_start)
-
-  lax.fori_loop(0, lax.div(tokens * blocks - me + ctas - 1, ctas), one, jnp.int32(0))
 
 
 def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barriers, mask,
