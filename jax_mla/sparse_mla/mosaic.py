@@ -316,7 +316,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[c]) for c in range(2)]
       if has_rope:
         q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
-      # A persistent CTA's next query waits for both consumers to be done with the last.
+      # A persistent CTA's next query waits until the last item's output has left its SMEM.
       q_gate = (None if q_free is None
                 else lambda: pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free)))
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,

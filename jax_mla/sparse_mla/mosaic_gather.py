@@ -179,8 +179,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
   ``ring_start``: the ring steps of the tokens this CTA took before (a persistent CTA's
   ring runs on from one token into the next). ``q_gate``: None, or a function that
   waits until the query's SMEM is free; producer 0 then issues the query copies after
-  its first step of the token (at once if it has none), so the token's first stages
-  are on their way while the last token's consumers still hold the query.
+  its first step of the token (at once if it has none), so the token's first stage
+  is on its way while the last token's consumers still hold the query.
 
   Args:
     t: the token.
