@@ -63,9 +63,11 @@ from jax_mla.sparse_mla.mosaic_gather import (
   init_pair,
   kernel_inputs,
   leading_inputs,
+  load_sinks,
   produce,
   run_items,
   split_steps,
+  store_decode_lse,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -265,9 +267,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
           k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
           shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
           persistent=persistent)
-      sink = (None if sink_ref is None else  # from GMEM (no TMA of 64 floats needed)
-              plgpu.load(sink_ref.at[pl.ds(h0, BLOCK_H)], (), layout=_mosaic.row_layout(plgpu),
-                         optimized=False))
+      sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, _mosaic.row_layout(plgpu))
       inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
       rows = pl.ds(out_r0, BLOCK_H)
       # Both consumers are done with Q: its halves become the output staging.
@@ -293,10 +293,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       def _():
         if not direct_lse:
           plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
-        else:  # FlashMLA's decode layout: 4-byte rows, no TMA
-          b, s = lax.div(t, query_len), lax.rem(t, query_len)
-          _mosaic.store_heads(plgpu, stats.at[1], lse_ref.at[b, pl.ds(h0, BLOCK_H), pl.ds(s, 1)],
-                              count=BLOCK_H, stride=query_len)
+        else:
+          store_decode_lse(plgpu, stats.at[1], lse_ref, t=t, h0=h0, count=BLOCK_H,
+                           query_len=query_len)
 
       if persistent:  # the next query may land once the output has left its SMEM
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -138,6 +138,23 @@ def decode_lse(lse, query_len: int | None):
   return lse.reshape(-1, query_len, lse.shape[1]).transpose(0, 2, 1)
 
 
+def load_sinks(plgpu, sink_ref, h0, count: int, layout):
+  """The sinks of heads ``h0 .. h0 + count - 1`` from GMEM ``sink_ref`` (None: no sink)
+  in ``layout``, for :func:`jax_mla._mosaic.sink_epilogue` (a few floats: no TMA)."""
+  if sink_ref is None:
+    return None
+  return plgpu.load(sink_ref.at[pl.ds(h0, count)], (), layout=layout, optimized=False)
+
+
+def store_decode_lse(plgpu, src_ref, lse_ref, *, t, h0, count: int, query_len: int):
+  """Token ``t``'s per-head LSE ``src_ref[:count]`` (SMEM, after a ``commit_smem``) for
+  heads ``h0 ..`` into FlashMLA's decode LSE ``lse_ref[b, h_q, query_len]`` (4-byte rows:
+  :func:`jax_mla._mosaic.store_heads`, not a TMA)."""
+  b, s = lax.div(t, query_len), lax.rem(t, query_len)
+  _mosaic.store_heads(plgpu, src_ref, lse_ref.at[b, pl.ds(h0, count), pl.ds(s, 1)],
+                      count=count, stride=query_len)
+
+
 def first_steps(len_ref, request, idx_refs, gathers):
   """``first``: set ``k``'s steps are ``first[k] .. first[k + 1] - 1`` (the sets' steps
   run back to back in one softmax); ``first[-1]`` is the token's number of steps. Set
@@ -210,6 +227,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
   num_stages = kv_main.shape[0]
   staged = lambda j: valid.at[  # noqa: E731  this producer's steps alternate two rows
       num_stages + 2 * producer + lax.rem(lax.div(j, producers), 2)]
+
   def copy_query():
     if q_gate is not None:
       q_gate()

@@ -58,9 +58,11 @@ from jax_mla.sparse_mla.mosaic_gather import (
   first_steps,
   kernel_inputs,
   leading_inputs,
+  load_sinks,
   produce,
   run_items,
   split_steps,
+  store_decode_lse,
 )
 
 
@@ -111,9 +113,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     o_rows = pl.ds(part * tokens * h_pad + r0, heads)
     block = (part * tokens + t) * blocks + h
     owner = (lambda k: lambda f: f()) if consumers == 1 else (lambda k: pl.when(wg == k))
-    sink = (None if sink_ref is None else  # from GMEM (no TMA of fewer than 32)
-            plgpu.load(sink_ref.at[pl.ds(h0, heads)], (), layout=_mosaic.col_layout(plgpu),
-                       optimized=False))
+    sink = load_sinks(plgpu, sink_ref, h0, heads, _mosaic.col_layout(plgpu))
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     per_head = ((max_logits, ml_ref), (lse, lse_ref))
     for half, acc in halves:
@@ -132,10 +132,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
       @owner(k)
       def _(k=k, ref=ref):
-        if k == 1 and direct_lse:  # FlashMLA's layout: 4-byte rows, no TMA
-          b, s = lax.div(t, query_len), lax.rem(t, query_len)
-          _mosaic.store_heads(plgpu, stats.at[k], ref.at[b, pl.ds(h0, heads), pl.ds(s, 1)],
-                              count=heads, stride=query_len)
+        if k == 1 and direct_lse:
+          store_decode_lse(plgpu, stats.at[k], ref, t=t, h0=h0, count=heads,
+                           query_len=query_len)
         else:
           plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
 
