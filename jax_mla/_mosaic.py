@@ -156,6 +156,13 @@ def opaque_zero(i):
   return lax.bitwise_and(i * (i + 1), 1)
 
 
+def stage_barriers(plgpu_mod, kv_bar, free_bar):
+  """``(wait_loaded, release)`` for :func:`consume_stages` over one barrier per slot
+  each: the stage loaded, and the stage free (both consumers arrive)."""
+  return (lambda slot: plgpu_mod.barrier_wait(kv_bar.at[slot]),
+          lambda slot: plgpu_mod.barrier_arrive(free_bar.at[slot]))
+
+
 def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barriers, shared,
                    mask, scale: float, p_t=None, ring_start=0, persistent=False):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
@@ -178,10 +185,10 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   the stage is.
 
   The softmax leaves the tensor cores idle; hiding it needs a third 72 KiB stage, which
-  does not fit beside the query. FlashMLA's pair split (each warpgroup computing ``S``
-  of its own slot), with whole or half-slot barriers, and computing ``S`` a stage ahead
-  were slower here on the H100 (exposed reloads, and register spills in Mosaic GPU's
-  code): benchmarks/RESULTS.md, session 20.
+  does not fit beside the query. The dense decode's 64-row tiles use
+  :func:`consume_pairs` instead (FlashMLA's split, 4-7% faster there on the H100:
+  benchmarks/RESULTS.md, session 26); computing ``S`` a stage ahead was slower
+  (session 20).
 
   Transposed (``p_t`` given; the sparse kernel for head counts that are not a multiple
   of 64): the keys are wgmma's M side, ``S^T = K Q^T`` ``[keys, heads]``, the softmax
@@ -199,9 +206,10 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
       ``k_rope`` holds ``P`` after ``S`` (``rope == rows``), also when ``q_rope`` is None
       (not when transposed).
     steps: key stages to consume (traced).
-    barriers: ``(q_bar, kv_bar, free_bar, done_bar)``: query loaded, stage loaded (one
-      per stage), stage free (one per stage, both consumers arrive), both consumers done
-      with the query.
+    barriers: ``(q_bar, wait_loaded, release, done_bar)``: the query-loaded barrier;
+      ``wait_loaded(slot)`` waits until the stage in ``slot`` is loaded, and
+      ``release(slot)`` (called by each consumer once it is done with the stage)
+      frees it; both consumers done with the query.
     shared: ``(stats, ready)`` from :func:`shared_scratch`.
     mask: ``mask(i, slot)`` runs (in the warpgroup computing stage ``i``, ring slot
       ``slot``) before the stage is waited for, so work that does not read the stage
@@ -226,7 +234,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   """
   plgpu = plgpu_mod
   transposed = p_t is not None
-  q_bar, kv_bar, free_bar, done_bar = barriers
+  q_bar, wait_loaded, release, done_bar = barriers
   stats, ready = shared
   num_stages, _, keys, half = k_main.shape
   rows = q_main.shape[1]
@@ -270,7 +278,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
     @pl.when(wg == mine)
     def _scores():
       apply_mask = mask(i, slot)
-      plgpu.barrier_wait(kv_bar.at[slot])
+      wait_loaded(slot)
 
       def qk(s_ref):
         for h in range(2):
@@ -315,9 +323,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
         plgpu.barrier_arrive(m_ready(mine))
       plgpu.barrier_arrive(p_ready(slot))
 
-    @pl.when(wg != mine)
-    def _():
-      plgpu.barrier_wait(kv_bar.at[slot])
+    pl.when(wg != mine)(lambda: wait_loaded(slot))
 
     plgpu.barrier_wait(p_ready(slot))
     alpha = load(stats.at[slot])
@@ -331,7 +337,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
         plgpu.wgmma(acc_ref, k_rope.at[slot], k_main.at[slot, wg])
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(free_bar.at[slot])
+    release(slot)
     return acc
 
   acc = lax.fori_loop(0, steps, step, acc)
@@ -375,6 +381,187 @@ def store_heads(plgpu_mod, src_ref, dst_ref, *, count: int, stride: int) -> None
 
   plgpu_mod.inline_mgpu(arg_types=(plgpu_mod.RefType(), plgpu_mod.RefType()))(body)(
       src_ref, dst_ref)
+
+
+def pair_scratch(plgpu_mod, rows: int):
+  """What :func:`consume_pairs` passes between its two warpgroups besides ``P``, for a
+  kernel's ``run_scoped``: float32 ``[4, rows]`` SMEM (each warpgroup's row max of its
+  stage, then its row sum) and four barriers ("max published" and "``P`` stored", one of
+  each per warpgroup)."""
+  return (plgpu_mod.SMEM((4, rows), jnp.float32),
+          plgpu_mod.Barrier(num_arrivals=1, num_barriers=4))
+
+
+def half_part(slot, half):
+  """Index of half ``half`` of ring slot ``slot`` in :func:`consume_pairs`' per-half
+  barriers (half 0: main columns 0-255; half 1: main columns 256-511 and the RoPE tile)."""
+  return slot * 2 + half
+
+
+def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps, barriers,
+                  shared, mask, scale: float):
+  """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
+  with 64-row tiles (call after ``set_max_registers``).
+
+  A producer warpgroup fills a two-slot ring with key stages (stage ``i`` in slot ``i %
+  2``), each in two halves with their own barriers (:func:`half_part`); the two
+  consumers (``wg`` 0 and 1) each own 256 of the 512 output columns and take the
+  stages in pairs, FlashMLA's split: warpgroup ``w`` computes ``S = Q K^T`` of the
+  pair's stage in slot ``w`` (64 x 64 over the two 256-wide halves of the main columns
+  plus the RoPE columns), and both multiply both stages' ``P`` by their half of ``V``
+  (the main columns of the same key rows): their own ``P`` from registers, the other's
+  from SMEM. The two ``S`` products run side by side and so do the two softmaxes, which
+  settle the pair's max in one exchange of row maxima.
+
+  Warpgroup ``h`` frees half ``h`` of a slot as soon as it has multiplied by it: its
+  own slot's half right after its own product, so the producer refills it while the
+  pair finishes, and ``S`` of the next stage starts on that half. ``P`` of slot 0 goes
+  into the slot's RoPE tile (dead once ``S`` is computed; freed with half 1 by
+  warpgroup 1, its reader), ``P`` of slot 1 into the query's RoPE tile, whose values
+  both warpgroups keep in registers (FlashMLA's way to fit both ``P`` tiles in shared
+  memory). An odd last stage is warpgroup 0's alone; warpgroup 1 takes its max and
+  multiplies by its ``P``.
+
+  Every wgmma operand is viewed at an :func:`opaque_zero` offset of the loop index:
+  the ring slots are static per code path here, so LLVM would hoist all the
+  descriptors out of the loop and ptxas would spill them (480 bytes a thread, 1.55x
+  slower; with the offsets 76 bytes: RESULTS.md, sessions 20 and 26).
+
+  Args:
+    wg: this consumer's index (``lax.axis_index("wg")``).
+    q_main: SMEM ``[2, 64, 256]``, the query's main columns in two halves.
+    k_main: SMEM ``[2, 2, 64, 256]``, the ring's main columns (slot, half).
+    rope: SMEM ``[3, 64, 64]``: the two slots' RoPE key tiles, then the query's RoPE
+      tile (stand-ins, unread, without RoPE columns).
+    has_rope: whether ``S`` takes the RoPE columns.
+    steps: key stages to consume (traced).
+    barriers: ``(q_bar, ready, free, done_bar)``: query loaded; four barriers each for a
+      half loaded and a half free (:func:`half_part`; one arrival frees); both consumers
+      done with the query.
+    shared: ``(stats, handoff)`` from :func:`pair_scratch`.
+    mask: ``mask(i, slot)`` runs (in the warpgroup computing stage ``i``) before the
+      stage is waited for, so work that does not read the stage overlaps the wait; it
+      returns the function that sets the float32 scores of absent keys to ``-inf``.
+    scale: the softmax scale times ``log2(e)``.
+
+  Returns:
+    ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
+    may then stage the output: the float32 accumulator ``[64, 256]``, the row max
+    (scaled base-2 units) and sum. Finish with :func:`empty_rows`.
+  """
+  plgpu = plgpu_mod
+  q_bar, ready, free, done_bar = barriers
+  stats, handoff = shared
+  rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
+  # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
+  # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.
+  published = lambda w: handoff.at[w]  # noqa: E731
+  stored = lambda w: handoff.at[2 + w]  # noqa: E731
+  p_tile = lambda w: rope.at[2 * w]  # noqa: E731  P of slot w
+  row = row_layout(plgpu)
+  load = lambda ref: plgpu.load(ref, (), layout=row, optimized=False)  # noqa: E731
+  bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
+
+  def scores(i, w, q_rope):
+    apply_mask = mask(i, w)
+    z = opaque_zero(i)  # descriptors derived in the loop (no hoisting, no spills)
+
+    def qk(s_ref):
+      for j in range(2):  # own half first: freed first, so loaded first
+        h = w if j == 0 else 1 - w
+        plgpu.barrier_wait(ready.at[half_part(w, h)])
+        plgpu.wgmma(s_ref, q_main.at[h + z], k_main.at[w + z, h].transpose((1, 0)))
+      if has_rope:
+        plgpu.wgmma(s_ref, q_rope, rope.at[w + z].transpose((1, 0)))
+      return s_ref[...]
+
+    return apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
+
+  def multiply(acc, w, slot, p=None, after_issue=lambda: None, z=0):
+    """``acc + P @ V`` over warpgroup ``w``'s half of slot ``slot``, then frees that
+    half; ``p``: bf16 registers, or None: the ``P`` stored for the slot;
+    ``after_issue`` runs while the product is in flight."""
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, rope.at[2 * slot + z] if p is None else p, k_main.at[slot + z, w])
+      after_issue()
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(free.at[half_part(slot, w)])
+    return acc
+
+  def rescaled(m_new, m_run, acc, l_run):
+    """``(m_use, acc, l)`` brought from max ``m_run`` to ``m_new``."""
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+    alpha = jnp.exp2(m_run - m_use)
+    return m_use, acc * bcast(alpha, acc.shape), l_run * alpha
+
+  def own_stage(i, w, carry, other_max, q_rope):
+    """Stage ``i`` in slot ``w``: ``S``, the max (``other_max(row_max)`` takes in the
+    other warpgroup's), softmax, ``P`` stored and multiplied; returns the new carry."""
+    acc, m_run, l_run = carry
+    s = scores(i, w, q_rope)
+    row_max = s.max(axis=1) * scale
+    stats.at[w][...] = row_max
+    plgpu.barrier_arrive(published(w))
+    m_new = jnp.maximum(m_run, other_max(row_max))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+    p = jnp.exp2(s * scale - bcast(m_use, s.shape))
+    p_sum = p.sum(axis=1)
+    p = p.astype(jnp.bfloat16)
+    # The accumulator is rescaled once P is in bf16: the scores are dead by then.
+    _, acc, l_run = rescaled(m_new, m_run, acc, l_run)
+    l_run = l_run + p_sum
+
+    def store_p():  # while the product runs
+      p_tile(w)[...] = p
+      plgpu.commit_smem()  # P is read by wgmma (the async proxy)
+      plgpu.barrier_arrive(stored(w))
+
+    return multiply(acc, w, w, p, store_p, z=opaque_zero(i)), m_new, l_run
+
+  def other_stage(w, acc, z):
+    """Multiplies by the other warpgroup's ``P`` (slot ``1 - w``)."""
+    plgpu.barrier_wait(stored(1 - w))
+    return multiply(acc, w, 1 - w, z=z)
+
+  def pair(k, carry):
+    def with_other(row_max):
+      plgpu.barrier_wait(published(1 - wg))
+      return jnp.maximum(row_max, load(stats.at[1 - wg]))
+
+    *carry, q_rope = carry
+    acc, m_new, l_run = own_stage(2 * k + wg, wg, carry, with_other, q_rope)
+    return other_stage(wg, acc, opaque_zero(k)), m_new, l_run, q_rope
+
+  def last_alone(carry):  # odd last stage: warpgroup 0's
+    *carry, q_rope = carry
+    return own_stage(steps - 1, 0, carry, lambda row_max: row_max, q_rope)
+
+  def last_other(carry):
+    acc, m_run, l_run, _ = carry
+    plgpu.barrier_wait(published(0))
+    m_new = jnp.maximum(m_run, load(stats.at[0]))
+    _, acc, l_run = rescaled(m_new, m_run, acc, l_run)
+    return other_stage(1, acc, opaque_zero(steps)), m_new, l_run
+
+  plgpu.barrier_wait(q_bar)
+  # The query's RoPE tile moves to registers (read by every S) before slot 1's P may
+  # overwrite it: warpgroup 1 stores that P after warpgroup 0 publishes its first max.
+  q_rope = (plgpu.load(rope.at[2], (), layout=plgpu.Layout.WGMMA, optimized=False)
+            if has_rope else None)
+  carry = (plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row),
+           plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row), q_rope)
+  carry = lax.fori_loop(0, lax.div(steps, 2), pair, carry)
+  acc, m, l_own = lax.cond(
+      lax.rem(steps, 2) == 1,
+      lambda c: lax.cond(wg == 0, last_alone, last_other, c),
+      lambda c: tuple(c[:3]), carry)
+  # Both warpgroups end at the same max (-inf with no stage); their sums add.
+  stats.at[2 + wg][...] = l_own
+  plgpu.barrier_arrive(done_bar)
+  plgpu.barrier_wait(done_bar)
+  return acc, m, load(stats.at[2]) + load(stats.at[3])
 
 
 def sink_epilogue(m, l, sink):

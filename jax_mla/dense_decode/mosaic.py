@@ -11,10 +11,12 @@ one KV split, and three warpgroups:
   two-stage shared-memory ring with TMA;
 - two consumer warpgroups each own 256 of the 512 output columns (a 64 x 512
   float32 accumulator does not fit one warpgroup's registers). They take the stages
-  in turns: one computes a stage's ``S = Q K^T`` (64 x 64, over 512 NoPE + 64 RoPE
-  columns) and the online softmax in base 2 and hands ``P`` to both through SMEM;
-  each multiplies ``P`` by its half of ``V`` (the first 512 columns of the same
-  latent rows) (:func:`jax_mla._mosaic.consume_stages`).
+  in pairs, FlashMLA's split: each computes ``S = Q K^T`` of one stage of the pair
+  (64 x 64, over 512 NoPE + 64 RoPE columns) and its online softmax in base 2, and
+  each multiplies both stages' ``P`` by its half of ``V`` (the first 512 columns of
+  the same latent rows), the other's ``P`` through SMEM
+  (:func:`jax_mla._mosaic.consume_pairs`). Each half of a stage has its own
+  barriers, so a half is refilled as soon as its one reader is done.
 
 Unwritten cache slots may hold NaN, and ``0 * NaN`` is NaN, so none reaches the
 products: the producer loads a request's partial last block onto its own barrier,
@@ -30,11 +32,14 @@ timed the same within noise: FlashAttention-3 ping-pong ordering of the two cons
 and masking only the blocks that need it (a uniform ``lax.cond``). Splitting
 KV for that row (512 CTAs) was 5% slower. Computing ``S`` once and sharing ``P``
 through SMEM (FlashMLA's split; before, both consumers computed ``S``, a third of the
-tensor-core work) took that row from 400 to 369-388 us (2026-11-23).
+tensor-core work) took that row from 400 to 369-388 us (2026-11-23); the pair split
+with per-half barriers took it from 331-333 to 315-320 us and the b64 s_q2 row from
+597-602 to 553-558 us (2026-11-26).
 
 A request with at most 32 query rows (tensor parallelism leaves 8, 16 or 32 heads a
-GPU) takes the transposed form of the same loop, as the sparse kernel for such head
-counts does (:mod:`jax_mla.sparse_mla.mosaic_transposed`): one CTA puts its 16 or 32
+GPU) takes the transposed form of the sparse kernels' loop, in which the consumers take
+the stages in turns (:func:`jax_mla._mosaic.consume_stages`), as the sparse kernel for
+such head counts does (:mod:`jax_mla.sparse_mla.mosaic_transposed`): one CTA puts its 16 or 32
 rows on wgmma's N side and the 64 keys of a block on M, ``S^T = K Q^T`` and ``O^T +=
 V^T P^T``, so no tensor-core row is spent on padding. More rows take 64-row tiles, the
 last one padded (:func:`row_tiles`). A tile may hold rows of several query tokens,
@@ -98,9 +103,12 @@ class Config:
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,
                    plgpu, s_q, h_q, tiles, num_blocks, num_splits, causal, scale, registers):
   q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, kept_rows, p_stats = smem
-  q_bar, kv_bar, free_bar, done_bar, tail_bar, p_ready = barriers
+  q_bar, ready, free, done_bar, tail_bar, p_ready = barriers
   rows = q_nope.shape[1]  # of this tile: 64, or at most 32 transposed
   transposed = rows != BLOCK_M
+  # 64-row tiles: the query's RoPE tile is the third of the ring's RoPE tiles (see
+  # consume_pairs); transposed, it has its own.
+  q_rope_tile = (lambda: q_rope) if transposed else (lambda: kv_rope.at[NUM_STAGES])
   bi = lax.axis_index("b")
   split = lax.axis_index("s")
   tile = lax.axis_index("t")
@@ -137,23 +145,39 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       pg = bt_ref[bi, blk]
       # An invalid block id shifts every limit below 0: no key of the block is seen.
       base = jnp.where((pg >= 0) & (pg < num_blocks), blk * PAGE, 1 << 30)
-      key = iota(key_axis)
-      if not per_row:
-        return lambda s: jnp.where(key < lim - base, s, -jnp.inf)
-      # Token of each row: the first row's, plus one per token boundary crossed (a tile
-      # of `rows` rows crosses at most (h_q + rows - 2) // h_q of them).
-      row = iota(1 - key_axis) + first_row
-      token0 = lax.div(first_row, h_q)
-      token = token0
-      for j in range(1, (h_q + rows - 2) // h_q + 1):
-        token = token + jnp.where(row >= (token0 + j) * h_q, 1, 0)
-      row_lim = limit(token)
-      return lambda s: jnp.where(key < row_lim - base, s, -jnp.inf)
 
-    acc, m, l = _mosaic.consume_stages(
-        plgpu, wg=wg, q_main=q_nope, q_rope=q_rope, k_main=kv_nope, k_rope=kv_rope, steps=steps,
-        barriers=(q_bar, kv_bar, free_bar, done_bar), shared=(p_stats, p_ready),
-        mask=mask, scale=scale, p_t=p_t)
+      def key_limits():  # the keys' index tile and the rows' key limits
+        key = iota(key_axis)
+        if not per_row:
+          return key, lim
+        # Token of each row: the first row's, plus one per token boundary crossed (a
+        # tile of `rows` rows crosses at most (h_q + rows - 2) // h_q of them).
+        row = iota(1 - key_axis) + first_row
+        token0 = lax.div(first_row, h_q)
+        token = token0
+        for j in range(1, (h_q + rows - 2) // h_q + 1):
+          token = token + jnp.where(row >= (token0 + j) * h_q, 1, 0)
+        return key, limit(token)
+
+      def apply(s, limits):
+        key, row_lim = limits
+        return jnp.where(key < row_lim - base, s, -jnp.inf)
+
+      if transposed:
+        limits = key_limits()
+        return lambda s: apply(s, limits)
+      # 64-row tiles: made after the scores' wait, not held across it (registers)
+      return lambda s: apply(s, key_limits())
+
+    consume = dict(wg=wg, q_main=q_nope, k_main=kv_nope, steps=steps,
+                   shared=(p_stats, p_ready), mask=mask, scale=scale)
+    if transposed:
+      acc, m, l = _mosaic.consume_stages(
+          plgpu, q_rope=q_rope, k_rope=kv_rope, p_t=p_t, barriers=(
+              q_bar, *_mosaic.stage_barriers(plgpu, ready, free), done_bar), **consume)
+    else:
+      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope, has_rope=True,
+                                        barriers=(q_bar, ready, free, done_bar), **consume)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)
@@ -186,17 +210,25 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
     q_rows = pl.ds(r0, rows)
     for h in range(2):
       plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(h * HALF, HALF)], q_nope.at[h], q_bar)
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(D_NOPE, D_ROPE)], q_rope, q_bar)
-    zero_rows = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),) + (plgpu.RefType(_mosaic.swizzled(plgpu)),) * 2)(_zero_rows)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows, pl.ds(D_NOPE, D_ROPE)], q_rope_tile(), q_bar)
+    swizzled = plgpu.RefType(_mosaic.swizzled(plgpu))
+    # The ring's barriers guard whole stages (transposed: both consumers read all of
+    # one) or halves (64-row tiles: each half has one reader, see consume_pairs).
+    parts = 1 if transposed else 2
+    zero_rows = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, swizzled))(
+        functools.partial(_zero_rows, halves=3 - parts, rope=parts == 1 or part == 1))
+                 for part in range(parts)]
 
-    @pl.loop(0, steps)
-    def _(i):
+    def load_part(i, part):
+      """Part ``part`` of stage ``i`` into its slot once its readers have freed it: the
+      whole stage, or half ``part`` of the main columns (half 1 with the RoPE tile)."""
       slot = lax.rem(i, NUM_STAGES)
+      bar = slot if parts == 1 else _mosaic.half_part(slot, part)
+      halves = range(2) if parts == 1 else (part,)
 
       @pl.when(i >= NUM_STAGES)
       def _():
-        plgpu.barrier_wait(free_bar.at[slot])
+        plgpu.barrier_wait(free.at[bar])
 
       blk = blk0 + i
       pg = bt_ref[bi, blk]
@@ -205,13 +237,16 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 
       def load(barrier):
         src_rows = pl.ds(pg * PAGE, PAGE)
-        for h in range(2):
+        for h in halves:
           plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(h * HALF, HALF)],
                                   kv_nope.at[slot, h], barrier)
-        plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(D_NOPE, D_ROPE)], kv_rope.at[slot],
-                                barrier)
+        if parts == 1 or part == 1:
+          plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(D_NOPE, D_ROPE)], kv_rope.at[slot],
+                                  barrier)
+        else:  # half 0 completes on two arrivals like half 1
+          plgpu.barrier_arrive(barrier)
 
-      pl.when(kept == PAGE)(lambda: load(kv_bar.at[slot]))
+      pl.when(kept == PAGE)(lambda: load(ready.at[bar]))
 
       @pl.when(kept < PAGE)
       def _():
@@ -221,18 +256,40 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
           plgpu.barrier_wait(tail_bar)
 
         kept_rows[...] = jnp.full((1,), kept, jnp.int32)
-        zero_rows(kept_rows, kv_nope.at[slot], kv_rope.at[slot])
+        zero_rows[part](kept_rows, kv_nope.at[slot] if parts == 1 else kv_nope.at[slot, part],
+                        kv_rope.at[slot])
         plgpu.commit_smem()  # the zeros are read by wgmma (the async proxy)
-        for _ in range(3):  # the stage barrier counts three copies
-          plgpu.barrier_arrive(kv_bar.at[slot])
+        for _ in range(part_arrivals(transposed)):
+          plgpu.barrier_arrive(ready.at[bar])
+
+    if transposed:
+      pl.loop(0, steps)(lambda i: load_part(i, 0))
+    else:
+      # Halves in the order the consumers free them: each stage's owner frees its own
+      # half first.
+      @pl.loop(0, lax.div(steps + 1, 2))
+      def _(k):
+        a, b = 2 * k, 2 * k + 1
+        load_part(a, 0)
+        pl.when(b < steps)(lambda: load_part(b, 1))
+        load_part(a, 1)
+        pl.when(b < steps)(lambda: load_part(b, 0))
 
 
-def _zero_rows(ctx, kept_ref, nope_ref, rope_ref):
-  """Zeroes rows ``kept_ref[0]`` .. 63 of a key stage (inline Mosaic GPU): the NoPE
-  halves ``[2, 64, 256]`` and the RoPE tile ``[64, 64]``, bf16 in 8-row x 128-byte
-  swizzled tiles. The swizzle only permutes the 16-byte pieces of a 128-byte tile row,
-  so a whole zeroed tile row is zero in any order. Thread ``t`` zeroes piece ``t % 8``
-  of rows ``t // 8 + 16 k`` in each of the nine column tiles."""
+def part_arrivals(transposed: bool) -> int:
+  """Arrivals that complete one part of a key stage (the producer's TMA copies, or its
+  arrivals for a zeroed block): two NoPE halves and the RoPE tile for a whole stage;
+  one half and the RoPE tile, or one half and an arrival, for a half."""
+  return 3 if transposed else 2
+
+
+def _zero_rows(ctx, kept_ref, nope_ref, rope_ref, *, halves: int, rope: bool):
+  """Zeroes rows ``kept_ref[0]`` .. 63 of a key stage or a half of one (inline Mosaic
+  GPU): the main columns (``halves`` of ``[64, 256]``) and, with ``rope``, the ``[64,
+  64]`` RoPE tile, bf16 in 8-row x 128-byte swizzled tiles. The swizzle only permutes
+  the 16-byte pieces of a 128-byte tile row, so a whole zeroed tile row is zero in any
+  order. Thread ``t`` zeroes piece ``t % 8`` of rows ``t // 8 + 16 k`` in each column
+  tile."""
   del ctx
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -245,7 +302,7 @@ def _zero_rows(ctx, kept_ref, nope_ref, rope_ref):
   kept = memref.load(kept_ref, [mgpu.c(0, ir.IndexType.get())])
   piece = arith.muli(arith.andi(tid, c32(7)), c32(16))
   nope = mgpu_utils.memref_ptr(nope_ref)
-  rope = mgpu_utils.memref_ptr(rope_ref)
+  rope_base = mgpu_utils.memref_ptr(rope_ref)
   tiles_per_half = HALF // 64
   for k in range(PAGE // 16):
     row = arith.addi(arith.shrui(tid, c32(3)), c32(16 * k))
@@ -253,8 +310,9 @@ def _zero_rows(ctx, kept_ref, nope_ref, rope_ref):
     tile_row = arith.shrui(row, c32(3))
     offsets = [(nope, arith.addi(arith.muli(tile_row, c32(tiles_per_half * 1024)),
                                  c32(h * PAGE * HALF * 2 + c * 1024)))
-               for h in range(2) for c in range(tiles_per_half)]
-    offsets.append((rope, arith.muli(tile_row, c32(1024))))
+               for h in range(halves) for c in range(tiles_per_half)]
+    if rope:
+      offsets.append((rope_base, arith.muli(tile_row, c32(1024))))
     zero = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.sge, row, kept))
     for base, off in offsets:
       at = mgpu_utils.getelementptr(base, [arith.addi(off, in_tile)], i8)
@@ -307,26 +365,33 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   q = jnp.pad(q.reshape(b, q_rows, D_QK), ((0, 0), (0, padded - q_rows), (0, 0)))
 
   swizzled = _mosaic.swizzled(plgpu)
-  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, rows, NUM_STAGES)
+  transposed = rows != BLOCK_M
+  shared_smem, shared_barrier = (_mosaic.shared_scratch(plgpu, rows, NUM_STAGES) if transposed
+                                 else _mosaic.pair_scratch(plgpu, rows))
   vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)
   smem = (
       plgpu.SMEM((2, rows, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((rows, D_ROPE), jnp.bfloat16, transforms=swizzled),
+      # Transposed: the query's RoPE tile, and P^T of each stage; 64-row tiles: the
+      # query's RoPE tile is the ring's third RoPE tile (see consume_pairs).
+      plgpu.SMEM((rows, D_ROPE), jnp.bfloat16, transforms=swizzled) if transposed else None,
       plgpu.SMEM((NUM_STAGES, 2, PAGE, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((NUM_STAGES, PAGE, D_ROPE), jnp.bfloat16, transforms=swizzled),
-      # Transposed: P^T of each stage (else P goes to the stage's dead RoPE tile).
+      plgpu.SMEM((NUM_STAGES + (not transposed), PAGE, D_ROPE), jnp.bfloat16,
+                 transforms=swizzled),
       (plgpu.SMEM((NUM_STAGES, rows, PAGE), jnp.bfloat16, transforms=swizzled)
-       if rows != BLOCK_M else None),
+       if transposed else None),
       plgpu.SMEM((vector_row,), jnp.float32),
       plgpu.SMEM((1,), jnp.int32),  # rows kept in a partial block
       shared_smem,
   )
+  parts = NUM_STAGES * (1 if transposed else 2)  # ring parts with their own barriers
+  arrivals = part_arrivals(transposed)
   barriers = (
       plgpu.Barrier(num_arrivals=3),  # query: three TMA copies (2 NoPE halves + RoPE)
-      plgpu.Barrier(num_arrivals=3, num_barriers=NUM_STAGES),  # key stage loaded, likewise
-      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),  # stage free: both consumers
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=parts),  # a part loaded
+      # A part free: both consumers read a whole stage, one reads a half.
+      plgpu.Barrier(num_arrivals=2 if transposed else 1, num_barriers=parts),
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
-      plgpu.Barrier(num_arrivals=3),  # a partial block loaded (three copies)
+      plgpu.Barrier(num_arrivals=arrivals),  # a part of a partial block loaded
       shared_barrier,
   )
   kernel = functools.partial(

@@ -264,7 +264,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
       acc, m, l = _mosaic.consume_stages(
           plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-          k_rope=kv_rope, steps=first[-1], barriers=(q_bar, kv_bar, free_bar, done_bar),
+          k_rope=kv_rope, steps=first[-1], barriers=(
+              q_bar, *_mosaic.stage_barriers(plgpu, kv_bar, free_bar), done_bar),
           shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
           persistent=persistent)
       sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, _mosaic.row_layout(plgpu))

@@ -166,7 +166,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
       else:
         acc, m, l = _mosaic.consume_stages(
             plgpu, wg=wg, q_main=q, q_rope=rope, k_main=kv_main, k_rope=kv_rope,
-            steps=first[-1], barriers=(q_bar.at[b], kv_bar, free_bar, done_bar),
+            steps=first[-1], barriers=(
+                q_bar.at[b], *_mosaic.stage_barriers(plgpu, kv_bar, free_bar), done_bar),
             shared=(p_stats, p_ready), mask=lambda i, slot: key_mask(slot), scale=scale,
             p_t=p_t)
         finish(t, h, q, [(wg, acc)], m, l)
