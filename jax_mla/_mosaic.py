@@ -398,8 +398,8 @@ def half_part(slot, half):
   return slot * 2 + half
 
 
-def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps, barriers,
-                  shared, mask, scale: float):
+def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, shared, mask,
+                  scale: float):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
   with 64-row tiles (call after ``set_max_registers``).
 
@@ -408,7 +408,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
   consumers (``wg`` 0 and 1) each own 256 of the 512 output columns and take the
   stages in pairs, FlashMLA's split: warpgroup ``w`` computes ``S = Q K^T`` of the
   pair's stage in slot ``w`` (64 x 64 over the two 256-wide halves of the main columns
-  plus the RoPE columns), and both multiply both stages' ``P`` by their half of ``V``
+  plus the 64 RoPE columns), and both multiply both stages' ``P`` by their half of ``V``
   (the main columns of the same key rows): their own ``P`` from registers, the other's
   from SMEM. The two ``S`` products run side by side and so do the two softmaxes, which
   settle the pair's max in one exchange of row maxima.
@@ -417,23 +417,24 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
   own slot's half right after its own product, so the producer refills it while the
   pair finishes, and ``S`` of the next stage starts on that half. ``P`` of slot 0 goes
   into the slot's RoPE tile (dead once ``S`` is computed; freed with half 1 by
-  warpgroup 1, its reader), ``P`` of slot 1 into the query's RoPE tile, whose values
-  both warpgroups keep in registers (FlashMLA's way to fit both ``P`` tiles in shared
-  memory). An odd last stage is warpgroup 0's alone; warpgroup 1 takes its max and
-  multiplies by its ``P``.
+  warpgroup 1, its reader), ``P`` of slot 1 into a tile of its own (slot 1's RoPE tile
+  is freed by warpgroup 1, not by its reader). FlashMLA puts it in the query's RoPE
+  tile and keeps the query's RoPE columns in registers; here those 16 registers a
+  thread were spilled (76 against 12 bytes, 1.5-2.5% slower: RESULTS.md, session 26).
+  An odd last stage is warpgroup 0's alone; warpgroup 1 takes its max and multiplies
+  by its ``P``.
 
   Every wgmma operand is viewed at an :func:`opaque_zero` offset of the loop index:
   the ring slots are static per code path here, so LLVM would hoist all the
   descriptors out of the loop and ptxas would spill them (480 bytes a thread, 1.55x
-  slower; with the offsets 76 bytes: RESULTS.md, sessions 20 and 26).
+  slower; with the offsets 12 bytes: RESULTS.md, sessions 20 and 26).
 
   Args:
     wg: this consumer's index (``lax.axis_index("wg")``).
     q_main: SMEM ``[2, 64, 256]``, the query's main columns in two halves.
     k_main: SMEM ``[2, 2, 64, 256]``, the ring's main columns (slot, half).
-    rope: SMEM ``[3, 64, 64]``: the two slots' RoPE key tiles, then the query's RoPE
-      tile (stand-ins, unread, without RoPE columns).
-    has_rope: whether ``S`` takes the RoPE columns.
+    rope: SMEM ``[4, 64, 64]``: the two slots' RoPE key tiles, the query's RoPE tile,
+      and slot 1's ``P``.
     steps: key stages to consume (traced).
     barriers: ``(q_bar, ready, free, done_bar)``: query loaded; four barriers each for a
       half loaded and a half free (:func:`half_part`; one arrival frees); both consumers
@@ -446,8 +447,9 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
 
   Returns:
     ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
-    may then stage the output: the float32 accumulator ``[64, 256]``, the row max
-    (scaled base-2 units) and sum. Finish with :func:`empty_rows`.
+    may then stage the output, as may row 0 of ``stats``: the float32 accumulator
+    ``[64, 256]``, the row max (scaled base-2 units) and sum. Finish with
+    :func:`empty_rows`.
   """
   plgpu = plgpu_mod
   q_bar, ready, free, done_bar = barriers
@@ -457,12 +459,12 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
   # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.
   published = lambda w: handoff.at[w]  # noqa: E731
   stored = lambda w: handoff.at[2 + w]  # noqa: E731
-  p_tile = lambda w: rope.at[2 * w]  # noqa: E731  P of slot w
+  p_index = lambda slot: slot * 3  # noqa: E731  P of slot ``slot``
   row = row_layout(plgpu)
   load = lambda ref: plgpu.load(ref, (), layout=row, optimized=False)  # noqa: E731
   bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
 
-  def scores(i, w, q_rope):
+  def scores(i, w):
     apply_mask = mask(i, w)
     z = opaque_zero(i)  # descriptors derived in the loop (no hoisting, no spills)
 
@@ -471,8 +473,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
         h = w if j == 0 else 1 - w
         plgpu.barrier_wait(ready.at[half_part(w, h)])
         plgpu.wgmma(s_ref, q_main.at[h + z], k_main.at[w + z, h].transpose((1, 0)))
-      if has_rope:
-        plgpu.wgmma(s_ref, q_rope, rope.at[w + z].transpose((1, 0)))
+      plgpu.wgmma(s_ref, rope.at[2 + z], rope.at[w + z].transpose((1, 0)))
       return s_ref[...]
 
     return apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
@@ -482,7 +483,8 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
     half; ``p``: bf16 registers, or None: the ``P`` stored for the slot;
     ``after_issue`` runs while the product is in flight."""
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, rope.at[2 * slot + z] if p is None else p, k_main.at[slot + z, w])
+      plgpu.wgmma(acc_ref, rope.at[p_index(slot) + z] if p is None else p,
+                  k_main.at[slot + z, w])
       after_issue()
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -495,11 +497,11 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
     alpha = jnp.exp2(m_run - m_use)
     return m_use, acc * bcast(alpha, acc.shape), l_run * alpha
 
-  def own_stage(i, w, carry, other_max, q_rope):
+  def own_stage(i, w, carry, other_max):
     """Stage ``i`` in slot ``w``: ``S``, the max (``other_max(row_max)`` takes in the
     other warpgroup's), softmax, ``P`` stored and multiplied; returns the new carry."""
     acc, m_run, l_run = carry
-    s = scores(i, w, q_rope)
+    s = scores(i, w)
     row_max = s.max(axis=1) * scale
     stats.at[w][...] = row_max
     plgpu.barrier_arrive(published(w))
@@ -513,7 +515,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
     l_run = l_run + p_sum
 
     def store_p():  # while the product runs
-      p_tile(w)[...] = p
+      rope.at[p_index(w)][...] = p
       plgpu.commit_smem()  # P is read by wgmma (the async proxy)
       plgpu.barrier_arrive(stored(w))
 
@@ -529,34 +531,28 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, has_rope: bool, steps,
       plgpu.barrier_wait(published(1 - wg))
       return jnp.maximum(row_max, load(stats.at[1 - wg]))
 
-    *carry, q_rope = carry
-    acc, m_new, l_run = own_stage(2 * k + wg, wg, carry, with_other, q_rope)
-    return other_stage(wg, acc, opaque_zero(k)), m_new, l_run, q_rope
+    acc, m_new, l_run = own_stage(2 * k + wg, wg, carry, with_other)
+    return other_stage(wg, acc, opaque_zero(k)), m_new, l_run
 
   def last_alone(carry):  # odd last stage: warpgroup 0's
-    *carry, q_rope = carry
-    return own_stage(steps - 1, 0, carry, lambda row_max: row_max, q_rope)
+    return own_stage(steps - 1, 0, carry, lambda row_max: row_max)
 
   def last_other(carry):
-    acc, m_run, l_run, _ = carry
+    acc, m_run, l_run = carry
     plgpu.barrier_wait(published(0))
     m_new = jnp.maximum(m_run, load(stats.at[0]))
     _, acc, l_run = rescaled(m_new, m_run, acc, l_run)
     return other_stage(1, acc, opaque_zero(steps)), m_new, l_run
 
   plgpu.barrier_wait(q_bar)
-  # The query's RoPE tile moves to registers (read by every S) before slot 1's P may
-  # overwrite it: warpgroup 1 stores that P after warpgroup 0 publishes its first max.
-  q_rope = (plgpu.load(rope.at[2], (), layout=plgpu.Layout.WGMMA, optimized=False)
-            if has_rope else None)
   carry = (plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row),
-           plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row), q_rope)
+           plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row))
   carry = lax.fori_loop(0, lax.div(steps, 2), pair, carry)
   acc, m, l_own = lax.cond(
       lax.rem(steps, 2) == 1,
       lambda c: lax.cond(wg == 0, last_alone, last_other, c),
-      lambda c: tuple(c[:3]), carry)
+      lambda c: c, carry)
   # Both warpgroups end at the same max (-inf with no stage); their sums add.
   stats.at[2 + wg][...] = l_own
   plgpu.barrier_arrive(done_bar)

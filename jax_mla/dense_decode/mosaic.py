@@ -103,11 +103,13 @@ class Config:
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,
                    plgpu, s_q, h_q, tiles, num_blocks, num_splits, causal, scale, registers):
   q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, kept_rows, p_stats = smem
+  if lse_smem is None:  # 64-row tiles: consume_pairs leaves this row free for the LSE
+    lse_smem = p_stats.at[0]
   q_bar, ready, free, done_bar, tail_bar, p_ready = barriers
   rows = q_nope.shape[1]  # of this tile: 64, or at most 32 transposed
   transposed = rows != BLOCK_M
-  # 64-row tiles: the query's RoPE tile is the third of the ring's RoPE tiles (see
-  # consume_pairs); transposed, it has its own.
+  # 64-row tiles: the query's RoPE tile is the third of consume_pairs' four RoPE
+  # tiles; transposed, it has its own.
   q_rope_tile = (lambda: q_rope) if transposed else (lambda: kv_rope.at[NUM_STAGES])
   bi = lax.axis_index("b")
   split = lax.axis_index("s")
@@ -176,7 +178,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
           plgpu, q_rope=q_rope, k_rope=kv_rope, p_t=p_t, barriers=(
               q_bar, *_mosaic.stage_barriers(plgpu, ready, free), done_bar), **consume)
     else:
-      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope, has_rope=True,
+      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope,
                                         barriers=(q_bar, ready, free, done_bar), **consume)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
@@ -371,15 +373,15 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
   vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)
   smem = (
       plgpu.SMEM((2, rows, HALF), jnp.bfloat16, transforms=swizzled),
-      # Transposed: the query's RoPE tile, and P^T of each stage; 64-row tiles: the
-      # query's RoPE tile is the ring's third RoPE tile (see consume_pairs).
+      # Transposed: the query's RoPE tile, and P^T of each stage; 64-row tiles: both
+      # are among the four RoPE tiles (see consume_pairs).
       plgpu.SMEM((rows, D_ROPE), jnp.bfloat16, transforms=swizzled) if transposed else None,
       plgpu.SMEM((NUM_STAGES, 2, PAGE, HALF), jnp.bfloat16, transforms=swizzled),
-      plgpu.SMEM((NUM_STAGES + (not transposed), PAGE, D_ROPE), jnp.bfloat16,
+      plgpu.SMEM((NUM_STAGES + (0 if transposed else 2), PAGE, D_ROPE), jnp.bfloat16,
                  transforms=swizzled),
       (plgpu.SMEM((NUM_STAGES, rows, PAGE), jnp.bfloat16, transforms=swizzled)
        if transposed else None),
-      plgpu.SMEM((vector_row,), jnp.float32),
+      plgpu.SMEM((vector_row,), jnp.float32) if transposed else None,  # the LSE
       plgpu.SMEM((1,), jnp.int32),  # rows kept in a partial block
       shared_smem,
   )
@@ -410,7 +412,10 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       # The row tiles of one request are adjacent in launch order (the last grid axis
       # is blockIdx.x): they read the same cache blocks, which L2 then serves once.
       grid=(b, num_splits, tiles), grid_names=("b", "s", "t"), num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      thread_name="wg", compiler_params=plgpu.CompilerParams(
+          # The 64-row loop reduces rows within warps; Pallas' 2 KiB reserve for
+          # cross-warp reductions would leave no room for the four RoPE tiles.
+          approx_math=True, **({} if transposed else {"reduction_scratch_bytes": 0})),
   )(cache_seqlens, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK))
   if num_splits == 1:
     out, lse = out[0], lse[0, :, :rows]
