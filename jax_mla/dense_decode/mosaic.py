@@ -34,7 +34,8 @@ KV for that row (512 CTAs) was 5% slower. Computing ``S`` once and sharing ``P``
 through SMEM (FlashMLA's split; before, both consumers computed ``S``, a third of the
 tensor-core work) took that row from 400 to 369-388 us (2026-11-23); the pair split
 with per-half barriers took it from 331-333 to 315-320 us and the b64 s_q2 row from
-597-602 to 553-558 us (2026-11-26).
+597-602 to 553-558 us, and the query's RoPE columns kept in SMEM (not registers) to
+307-316 and 541-551 us (2026-11-26).
 
 A request with at most 32 query rows (tensor parallelism leaves 8, 16 or 32 heads a
 GPU) takes the transposed form of the sparse kernels' loop, in which the consumers take
