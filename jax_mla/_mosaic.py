@@ -492,10 +492,10 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     return acc
 
   def rescaled(m_new, m_run, acc, l_run):
-    """``(m_use, acc, l)`` brought from max ``m_run`` to ``m_new``."""
+    """``(acc, l)`` brought from max ``m_run`` to ``m_new``."""
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
     alpha = jnp.exp2(m_run - m_use)
-    return m_use, acc * bcast(alpha, acc.shape), l_run * alpha
+    return acc * bcast(alpha, acc.shape), l_run * alpha
 
   def own_stage(i, w, carry, other_max):
     """Stage ``i`` in slot ``w``: ``S``, the max (``other_max(row_max)`` takes in the
@@ -511,7 +511,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     p_sum = p.sum(axis=1)
     p = p.astype(jnp.bfloat16)
     # The accumulator is rescaled once P is in bf16: the scores are dead by then.
-    _, acc, l_run = rescaled(m_new, m_run, acc, l_run)
+    acc, l_run = rescaled(m_new, m_run, acc, l_run)
     l_run = l_run + p_sum
 
     def store_p():  # while the product runs
@@ -541,7 +541,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     acc, m_run, l_run = carry
     plgpu.barrier_wait(published(0))
     m_new = jnp.maximum(m_run, load(stats.at[0]))
-    _, acc, l_run = rescaled(m_new, m_run, acc, l_run)
+    acc, l_run = rescaled(m_new, m_run, acc, l_run)
     return other_stage(1, acc, opaque_zero(steps)), m_new, l_run
 
   plgpu.barrier_wait(q_bar)
