@@ -186,8 +186,9 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
 
   The softmax leaves the tensor cores idle; hiding it needs a third 72 KiB stage, which
   does not fit beside the query. The dense decode's 64-row tiles use
-  :func:`consume_pairs` instead (FlashMLA's split, 4-7% faster there on the H100:
-  benchmarks/RESULTS.md, session 26); computing ``S`` a stage ahead was slower
+  :func:`consume_pairs` instead (FlashMLA's split, 4-7% faster there on the H100), and
+  so does the bf16 sparse prefill with ``Config.half_stages`` (11-12% on the 128-head
+  rows; benchmarks/RESULTS.md, session 26); computing ``S`` a stage ahead was slower
   (session 20).
 
   Transposed (``p_t`` given; the sparse kernel for head counts that are not a multiple
@@ -398,8 +399,15 @@ def half_part(slot, half):
   return slot * 2 + half
 
 
+def half_barriers(plgpu_mod, ready, free):
+  """``(wait_loaded, release)`` for :func:`consume_pairs` over Pallas barriers, four
+  each (:func:`half_part`)."""
+  return (lambda i, slot, half: plgpu_mod.barrier_wait(ready.at[half_part(slot, half)]),
+          lambda slot, half: plgpu_mod.barrier_arrive(free.at[half_part(slot, half)]))
+
+
 def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, shared, mask,
-                  scale: float):
+                  scale: float, has_rope: bool = True):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
   with 64-row tiles (call after ``set_max_registers``).
 
@@ -435,10 +443,12 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     k_main: SMEM ``[2, 2, 64, 256]``, the ring's main columns (slot, half).
     rope: SMEM ``[4, 64, 64]``: the two slots' RoPE key tiles, the query's RoPE tile,
       and slot 1's ``P``.
+    has_rope: whether ``S`` takes the RoPE columns (else those tiles are only ``P``'s).
     steps: key stages to consume (traced).
-    barriers: ``(q_bar, ready, free, done_bar)``: query loaded; four barriers each for a
-      half loaded and a half free (:func:`half_part`; one arrival frees); both consumers
-      done with the query.
+    barriers: ``(q_bar, wait_loaded, release, done_bar)``: the query-loaded barrier;
+      ``wait_loaded(i, slot, half)`` waits until that half of stage ``i`` (in ``slot``)
+      is loaded, ``release(slot, half)`` frees it (its one reader is done); both
+      consumers done with the query. :func:`half_barriers` makes the middle two.
     shared: ``(stats, handoff)`` from :func:`pair_scratch`.
     mask: ``mask(i, slot)`` runs (in the warpgroup computing stage ``i``) before the
       stage is waited for, so work that does not read the stage overlaps the wait; it
@@ -452,7 +462,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     :func:`empty_rows`.
   """
   plgpu = plgpu_mod
-  q_bar, ready, free, done_bar = barriers
+  q_bar, wait_loaded, release, done_bar = barriers
   stats, handoff = shared
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
@@ -471,9 +481,10 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     def qk(s_ref):
       for j in range(2):  # own half first: freed first, so loaded first
         h = w if j == 0 else 1 - w
-        plgpu.barrier_wait(ready.at[half_part(w, h)])
+        wait_loaded(i, w, h)
         plgpu.wgmma(s_ref, q_main.at[h + z], k_main.at[w + z, h].transpose((1, 0)))
-      plgpu.wgmma(s_ref, rope.at[2 + z], rope.at[w + z].transpose((1, 0)))
+      if has_rope:
+        plgpu.wgmma(s_ref, rope.at[2 + z], rope.at[w + z].transpose((1, 0)))
       return s_ref[...]
 
     return apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
@@ -488,7 +499,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       after_issue()
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(free.at[half_part(slot, w)])
+    release(slot, w)
     return acc
 
   def rescaled(m_new, m_run, acc, l_run):

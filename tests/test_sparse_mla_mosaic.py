@@ -39,9 +39,9 @@ def _case(rng, s_q, h_q, d_qk, s_kv, topk):
   return jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(idx)
 
 
-def _check(q, kv, idx, **kw):
+def _check(q, kv, idx, config=None, **kw):
   kw.setdefault("sm_scale", q.shape[-1] ** -0.5)
-  got = sparse_mla_prefill(q, kv, idx, implementation="mosaic", **kw)
+  got = sparse_mla_prefill(q, kv, idx, implementation="mosaic", config=config, **kw)
   ref = sparse_mla_prefill(q, kv, idx, implementation="xla", **kw)
   out, ml, lse = (np.asarray(x, np.float32) for x in got)
   r_out, r_ml, r_lse = (np.asarray(x, np.float32) for x in ref)
@@ -108,6 +108,56 @@ def test_sinks(d_qk, h_q):
   sink[::3], sink[1::3] = np.inf, -np.inf
   lengths = jnp.asarray([190, 0, 77, 190, 3, 64, 65, 1], jnp.int32)
   _check(q, kv, idx, attn_sink=jnp.asarray(sink), topk_length=lengths)
+
+
+HALF_STAGES = mosaic.Config(consumer_registers=232, producer_registers=40, half_stages=True)
+
+
+# name: (s_q, d_qk, topk, lengths and sinks given, rows 1 and 3 wholly invalid)
+HALF_STAGE_CASES = {
+    "invalid_576": (S_Q, 576, 256, False, False), "invalid_512": (S_Q, 512, 256, False, False),
+    "topk_1": (S_Q, 576, 1, False, False), "topk_65": (S_Q, 576, 65, False, False),
+    "lengths_190": (S_Q, 576, 190, True, False), "lengths_192": (S_Q, 512, 192, True, False),
+    "all_invalid": (S_Q, 512, 256, False, True),
+    "more_tokens_than_sms": (271, 576, 192, True, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(HALF_STAGE_CASES))
+def test_half_stages(case):
+  """``Config.half_stages`` (the pair loop over per-half stages, 128 heads) against the
+  reference: invalid indices and NaN in unused rows, a one-key and a partial step,
+  lengths from -3 to past topk with +-inf sinks, whole rows invalid, more tokens than
+  SMs."""
+  s_q, d_qk, topk, with_lengths, all_invalid = HALF_STAGE_CASES[case]
+  rng = np.random.default_rng(len(case) + topk)
+  q, kv, idx = _case(rng, s_q, 128, d_qk, S_KV, topk)
+  if all_invalid:
+    idx = idx.at[1].set(-1).at[3].set(S_KV)
+  kw = {}
+  if with_lengths:
+    lengths = rng.integers(-3, topk + 100, s_q)
+    lengths[:3] = 0, topk, 1
+    sink = rng.standard_normal(128).astype(np.float32)
+    sink[::3], sink[1::3] = np.inf, -np.inf
+    kw = {"topk_length": jnp.asarray(lengths, jnp.int32), "attn_sink": jnp.asarray(sink)}
+  _check(q, kv, idx, config=HALF_STAGES, **kw)
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_half_stages_lower(d_qk):
+  """The half-stage prefill kernel lowers for CUDA, its copies arriving on the halves'
+  mbarriers; a config for fewer heads falls back to the persistent kernel. Runs without
+  a GPU."""
+  s = jax.ShapeDtypeStruct
+  for h_q, halves in ((128, True), (64, False)):
+    lowered = lowers_for_cuda(
+        lambda q, kv, idx, lens: mosaic.sparse_prefill(q, kv, idx, None, lens, sm_scale=0.1,
+                                                       config=HALF_STAGES),
+        s((3, h_q, d_qk), jnp.bfloat16), s((100, d_qk), jnp.bfloat16), s((3, 64), jnp.int32),
+        s((3,), jnp.int32))
+    assert ("cp.async.mbarrier.arrive.noinc" in lowered.as_text()) == halves
 
 
 @pytest.mark.gpu

@@ -179,8 +179,8 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
           plgpu, q_rope=q_rope, k_rope=kv_rope, p_t=p_t, barriers=(
               q_bar, *_mosaic.stage_barriers(plgpu, ready, free), done_bar), **consume)
     else:
-      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope,
-                                        barriers=(q_bar, ready, free, done_bar), **consume)
+      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope, barriers=(
+          q_bar, *_mosaic.half_barriers(plgpu, ready, free), done_bar), **consume)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)

@@ -15,11 +15,13 @@ stages in turns:
   both multiply ``P`` by their half of ``V`` (the first 512 columns of the same rows)
   (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
   of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
-  split each step's gather between their producers. Otherwise (and with one split)
-  the CTAs are persistent, one per SM, taking (token, head block) items one after
-  another: the producer gathers an item's first stage while the consumers still
-  finish the last item, then loads the item's query once the last output has left
-  the query's SMEM (its staging).
+  split each step's gather between their producers. With ``Config.half_stages`` (bf16
+  prefill, two head blocks a token; off by default) the consumers take the stages in
+  pairs instead (:func:`jax_mla._mosaic.consume_pairs`), each stage arriving in two
+  halves. Otherwise (and with one split) the CTAs are persistent, one per SM, taking
+  (token, head block) items one after another: the producer gathers an item's first
+  stage while the consumers still finish the last item, then loads the item's query
+  once the last output has left the query's SMEM (its staging).
 - ``h_q`` up to 32 (:mod:`.mosaic_transposed`): a CTA takes a token with the keys on
   the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
   spent on a head that is not there; at up to 16 heads the CTAs are persistent, one
@@ -60,14 +62,17 @@ from jax_mla.sparse_mla.mosaic_gather import (
   decode_lse,
   dequantized,
   first_steps,
+  init_halves,
   init_pair,
   kernel_inputs,
   leading_inputs,
   load_sinks,
   produce,
+  produce_halves,
   run_items,
   split_steps,
   store_decode_lse,
+  wait_half,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -107,6 +112,14 @@ class Config:
       otherwise): the two head blocks of a token run as a 2-CTA cluster and each
       gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
       each row is loaded and dequantized once per token, not once per head block.
+    half_stages: bf16 prefill with ``h_q`` a multiple of 128: the consumers take the
+      stages in pairs (:func:`jax_mla._mosaic.consume_pairs`) and the producer fills
+      each stage in two halves that arrive on their own barriers as the copies land
+      (:func:`.mosaic_gather.produce_halves`, FlashMLA's sm90 sparse prefill schedule);
+      not persistent. H100: prefill V3.2 4688-4715 us and V4 h128 2372-2394 us against
+      5295 and 2684 us without; V4 h64 (one head block a token) 771-772 against 753 us.
+      Off by default until its GPU test suite has run (session 26 ran out of device
+      time after its smoke test, benchmark comparison and memcheck).
     num_splits: decode: CTAs per token and head block, each taking an equal share of
       the token's key steps; the parts are combined by
       :func:`jax_mla.merge_mosaic.combine` (a second Mosaic GPU kernel). None picks
@@ -119,6 +132,7 @@ class Config:
   producers: int = 1
   consumers: int = 2
   pair: bool = False
+  half_stages: bool = False
   num_splits: int | None = None
 
   def __post_init__(self):
@@ -225,6 +239,13 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   q_main, q_rope, kv_main, kv_rope, valid, stats, p_stats, *pair_bars = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
   q_free = q_free[0] if persistent else None
+  halves = isinstance(gathers[0], tuple)  # the pair loop (consume_pairs), bf16 rows
+  if halves:  # its scratch's first rows are free once it returns: the output staging
+    stats = p_stats
+    valid_bar = kv_bar  # a slot's validity row written
+    # The halves' mbarriers, hand-rolled (cp.async arrives on them), in valid's row 2.
+    loaded = lambda part: valid.at[2, pl.ds(2 * part, 2)]  # noqa: E731
+    init_halves(plgpu, valid.at[2])
   wg = lax.axis_index("wg")
   blocks = h_q // BLOCK_H
   has_rope = d_qk > D_MAIN
@@ -238,7 +259,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     if pair:
       h = h * 2 + lax.axis_index("c")
     request = t if query_len is None else lax.div(t, query_len)
-    first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
+    first, base = split_steps(first_steps(len_ref, request, idx_refs,
+                                          [g[0] for g in gathers] if halves else gathers),
+                              splits)
     return h * BLOCK_H, request, first, base
 
   def for_each_item(body):
@@ -252,22 +275,39 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       del i
 
       def apply(s):  # the producer wrote each row's validity beside the stage
+        if halves:
+          plgpu.barrier_wait(valid_bar.at[slot])
         ok = plgpu.load(valid.at[slot], (), layout=_mosaic.col_layout(plgpu), optimized=False)
         return jnp.where(lax.broadcast_in_dim(ok, s.shape, [1]) != 0, s, -jnp.inf)
 
       return apply
+
+    def wait_loaded(i, slot, half):  # stage i is slot's (i // 2)-th use
+      bar = loaded(_mosaic.half_part(slot, half))
+      parity = lax.rem(lax.div(i, 2), 2)
+      for p in range(2):
+        pl.when(parity == p)(lambda p=p: wait_half(plgpu, bar, p))
+
+    def release(slot, half):
+      plgpu.barrier_arrive(free_bar.at[_mosaic.half_part(slot, half)])
 
     def consume(k, t, h, ring_start):
       del k
       h0, _, first, _ = item(t, h)
       r0 = t * h_q + h0
       out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
-      acc, m, l = _mosaic.consume_stages(
-          plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
-          k_rope=kv_rope, steps=first[-1], barriers=(
-              q_bar, *_mosaic.stage_barriers(plgpu, kv_bar, free_bar), done_bar),
-          shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
-          persistent=persistent)
+      if halves:
+        acc, m, l = _mosaic.consume_pairs(
+            plgpu, wg=wg, q_main=q_main, k_main=kv_main, rope=kv_rope, has_rope=has_rope,
+            steps=first[-1], barriers=(q_bar, wait_loaded, release, done_bar),
+            shared=(p_stats, p_ready), mask=mask, scale=scale)
+      else:
+        acc, m, l = _mosaic.consume_stages(
+            plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
+            k_rope=kv_rope, steps=first[-1], barriers=(
+                q_bar, *_mosaic.stage_barriers(plgpu, kv_bar, free_bar), done_bar),
+            shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
+            persistent=persistent)
       sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, _mosaic.row_layout(plgpu))
       inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
       rows = pl.ds(out_r0, BLOCK_H)
@@ -315,10 +355,17 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       rows = pl.ds(t * h_q + h0, BLOCK_H)
       q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[c]) for c in range(2)]
       if has_rope:
-        q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)], q_rope))
+        q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)],
+                         kv_rope.at[2] if halves else q_rope))
       # A persistent CTA's next query waits until the last item's output has left its SMEM.
       q_gate = (None if q_free is None
                 else lambda: pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free)))
+      if halves:
+        produce_halves(plgpu, t=t, q_copies=q_copies, gather=gathers[0], idx_ref=idx_refs[0],
+                       kv_ref=kv_refs[0], len_ref=len_ref, kv_main=kv_main, kv_rope=kv_rope,
+                       valid=valid, barriers=(q_bar, loaded, free_bar, valid_bar),
+                       first=first, request=request)
+        return first[-1]
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
               len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
@@ -364,8 +411,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   tokens, h_q, d_qk = q.shape
   pair = (config.pair and num_splits == 1 and h_q % (2 * BLOCK_H) == 0
           and all(map(dequantized, fmts)))
+  halves = (config.half_stages and fmts == (None,) and num_splits == 1
+            and config.num_stages == 2 and h_q % (2 * BLOCK_H) == 0)
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair,
-                                                          query_len=query_len)
+                                                          query_len=query_len, halves=halves)
   # Split parts are combined before the sinks apply: the kernel then runs without.
   sink = None if attn_sink is None or num_splits > 1 else attn_sink.astype(jnp.float32)
   direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h_q, s_q]
@@ -373,28 +422,32 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
 
   tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
-  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages)
+  shared_smem, shared_barrier = (_mosaic.pair_scratch(plgpu, BLOCK_H) if halves else
+                                 _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages))
   smem = (
       plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=tiles),
-      plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=tiles),
+      None if halves else plgpu.SMEM((BLOCK_H, rope), jnp.bfloat16, transforms=tiles),
       plgpu.SMEM((config.num_stages, 2, BLOCK_K, HALF), jnp.bfloat16, transforms=tiles),
-      plgpu.SMEM((config.num_stages, BLOCK_K, rope), jnp.bfloat16, transforms=tiles),
+      plgpu.SMEM((config.num_stages + 2 * halves, BLOCK_K, rope), jnp.bfloat16,
+                 transforms=tiles),
       plgpu.SMEM((config.num_stages + 2, BLOCK_K), jnp.int32),  # one producer
-      plgpu.SMEM((2, BLOCK_H), jnp.float32),
+      None if halves else plgpu.SMEM((2, BLOCK_H), jnp.float32),
       shared_smem,
   ) + ((plgpu.SMEM((config.num_stages, 4), jnp.uint32),) if pair else ())
   q_copies = 2 + (d_qk > D_MAIN)  # NoPE halves, RoPE
   # Without a pair or splits, one CTA per SM takes item after item: the producer
   # gathers the next item's first stage while the consumers finish the last one.
-  persistent = not pair and num_splits == 1
+  persistent = not pair and num_splits == 1 and not halves
   items = tokens * (h_q // BLOCK_H)
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
                   else plgpu.Barrier)
+  parts = config.num_stages * (1 + halves)
   barriers = (
       plgpu.Barrier(num_arrivals=q_copies),
-      plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),  # stage gathered
-      free_barrier(num_arrivals=2, num_barriers=config.num_stages),  # free: the consumers
+      # A stage gathered (halves: a slot's validity written).
+      plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),
+      free_barrier(num_arrivals=2 - halves, num_barriers=parts),  # free: its readers
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
       shared_barrier,
   ) + ((plgpu.Barrier(num_arrivals=2),) if persistent else ())  # the query's SMEM is free
@@ -418,11 +471,12 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   grid = ({"grid": (tokens, h_q // BLOCK_H // 2), "grid_names": ("t", "h"), "cluster": (2,),
            "cluster_names": ("c",)} if pair
           else {"grid": (tokens, num_splits, h_q // BLOCK_H), "grid_names": ("t", "s", "h")}
-          if num_splits > 1
+          if num_splits > 1 or halves
           else {"grid": (min(items, num_sms()),), "grid_names": ("p",)})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+      thread_name="wg", compiler_params=plgpu.CompilerParams(
+          approx_math=True, **({"reduction_scratch_bytes": 0} if halves else {})),
   )(*inputs, *all_indices, *all_rows)
   if num_splits > 1:
     out, max_logits, lse = merge_mosaic.combine(

@@ -28,6 +28,13 @@ producer then gathers half of every step's rows and stores them into both CTAs' 
 (``st.async``, counted by a per-stage mbarrier, :func:`init_pair`), so a row is
 loaded and dequantized once per token, not once per head block.
 
+With ``Config.half_stages`` (bf16 prefill, 128 heads or a multiple) the producer fills
+each stage in two halves for :func:`jax_mla._mosaic.consume_pairs`
+(:func:`produce_halves`, FlashMLA's sm90 sparse prefill producer): each thread's copies
+arrive on the half's own mbarrier as they land (``cp.async.mbarrier.arrive.noinc``),
+so the producer waits only for free halves, never for its loads, and reads each step's
+indices from GMEM itself.
+
 The gather refuses slots outside the cache itself, and, where a set has lengths, the
 positions past its token's length (``gather_fn(masked=True)``), so with a ``topk`` that
 is a multiple of 64 the indices and lengths go in as the caller gave them: the program
@@ -80,7 +87,7 @@ def clean_indices(indices, lengths, num_slots):
 
 
 def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False,
-                  query_len: int | None = None):
+                  query_len: int | None = None, halves: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
   ``fmts``: ``(gathers, lengths, indices (cleaned where ``topk`` is not a multiple of
@@ -90,7 +97,8 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False
   program has no XLA op before it. ``query_len``: the tokens are a decode's ``[b,
   query_len]`` queries and the lengths are per request, ``[b]`` (rows ``[n, b]``; the
   kernel reads request ``t // query_len``'s). ``pair``: see :func:`gather_fn`;
-  ``early``: its early loads for the quantized sets."""
+  ``early``: its early loads for the quantized sets; ``halves`` (bf16 sets): each
+  gather is a pair, the two halves of a stage (:func:`produce_halves`)."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
     num_blocks, block_size, width = cache.shape
@@ -106,10 +114,11 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False
     # the length itself, and the kernel clips the lengths: no XLA pre-pass.
     all_indices.append(indices)
     all_rows.append(cache.reshape(num_slots, width))
-    gathers.append(gather_fn(fmt=fmt, num_slots=num_slots, block_size=block_size,
+    make = functools.partial(gather_fn, fmt=fmt, num_slots=num_slots, block_size=block_size,
                              row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair,
                              masked=masked, early=early and dequantized(fmt),
-                             length_row=None if lengths is None else len(all_lengths)))
+                             length_row=None if lengths is None else len(all_lengths))
+    gathers.append((make(half=0), make(half=1)) if halves else make())
     if lengths is not None:
       all_lengths.append(lengths)
   rows = [n.reshape(1, -1) for n in all_lengths]  # a reshape, not a broadcast: no XLA op
@@ -326,6 +335,92 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     pl.when(steps <= mine)(copy_query)
 
 
+def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_main, kv_rope,
+                   valid, barriers, first, request):
+  """The producer for :func:`jax_mla._mosaic.consume_pairs` over one bf16 key set (call
+  after ``set_max_registers``): stage ``i`` goes into slot ``i % 2`` in two halves, in
+  the order the consumers free them (per pair of stages ``a, b``: ``a`` half 0, ``b``
+  half 1, ``a`` half 1, ``b`` half 0), FlashMLA's sm90 sparse prefill producer. Each
+  thread's copies of a half arrive on the half's mbarrier when they land
+  (``cp.async.mbarrier.arrive.noinc``): the producer never waits for its own loads,
+  only for a half to be free. The indices are read from GMEM by the gather itself.
+
+  ``gather``: the set's two :func:`gather_fn` halves; ``barriers``: ``(q_bar, loaded,
+  free, valid_bar)``: the query; ``loaded(part)``, the SMEM ``[2]`` 32-bit row of a
+  half's hand-rolled mbarrier (:func:`init_halves`); four per-half free barriers; one
+  per slot for its validity row. ``valid``: SMEM int32, a row per slot. Other arguments
+  as :func:`produce`'s for one set and one producer.
+  """
+  q_bar, loaded, free, valid_bar = barriers
+  for src, dst in q_copies:
+    plgpu.copy_gmem_to_smem(src, dst, q_bar)
+  swizzled_ref = plgpu.RefType(_mosaic.swizzled(plgpu))
+  masked = gather[0].masked
+  arg_types = ((plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref, plgpu.RefType(),
+                plgpu.RefType(), plgpu.RefType(), plgpu.RefType())
+               + (plgpu.RefType(),) * (3 * masked))
+  halves = [plgpu.inline_mgpu(arg_types=arg_types)(g) for g in gather]
+  steps = first[-1]
+
+  def unit(i, h):
+    slot = lax.rem(i, 2)
+    part = _mosaic.half_part(slot, h)
+
+    @pl.when(i < steps)
+    def _():
+      pl.when(i >= 2)(lambda: plgpu.barrier_wait(free.at[part]))
+      step_idx = idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
+      where = ((step_idx, idx_ref.at[t, pl.ds(0, BLOCK_K)],
+                len_ref.at[gather[0].length_row, pl.ds(request, 1)]) if masked else ())
+      halves[h](step_idx, kv_ref, kv_main.at[slot], kv_rope.at[slot], valid.at[slot], step_idx,
+                step_idx, loaded(part), *where)
+      if h == 0:  # the validity row, written by this half's gather
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(valid_bar.at[slot])
+
+  @pl.loop(0, lax.div(steps + 1, 2))
+  def _(k):
+    a, b = 2 * k, 2 * k + 1
+    for i, h in ((a, 0), (b, 1), (a, 1), (b, 0)):
+      unit(i, h)
+
+
+def init_halves(plgpu, bar_ref):
+  """Initialises :func:`produce_halves`' four mbarriers (SMEM, 8 bytes each from
+  ``bar_ref``'s first, 128 arrivals each: the producer's threads), then waits for every
+  thread of the CTA (call in every warpgroup, before the roles split)."""
+  plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_halves)(bar_ref)
+  _mosaic.cluster_sync(plgpu)
+
+
+def _init_halves(ctx, bar_ref):
+  del ctx
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  inits = " ".join(f"@p mbarrier.init.shared::cta.b64 [$0+{8 * k}], 128;" for k in range(4))
+  llvm.inline_asm(
+      ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(bar_ref), mgpu.thread_idx()],
+      "{.reg .pred p; setp.eq.u32 p, $1, 0; " + inits + " fence.mbarrier_init.release.cluster;}",
+      "r,r", has_side_effects=True)
+
+
+def wait_half(plgpu, bar_ref, parity: int):
+  """Every thread of the warpgroup waits for phase ``parity`` of a :func:`produce_halves`
+  mbarrier (``bar_ref``: its ``[2]`` uint32 row)."""
+  def body(ctx, ref):
+    del ctx
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    llvm.inline_asm(
+        ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(ref)],
+        "{.reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], "
+        f"{parity}; @!done bra WAIT;}}", "r", has_side_effects=True)
+
+  plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(body)(bar_ref)
+
 def run_items(body, *, persistent: bool, tokens: int, blocks: int):
   """Runs ``body(k, t, h, ring_start)`` for this CTA's items: its ``k``-th (token ``t``,
   head block ``h``), after ``ring_start`` ring steps of its earlier items (``body``
@@ -345,7 +440,7 @@ def run_items(body, *, persistent: bool, tokens: int, blocks: int):
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
               d_qk: int, pair: bool = False, masked: bool = False, early: bool = False,
-              length_row: int | None = None):
+              length_row: int | None = None, half: int | None = None):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
@@ -373,6 +468,10 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   loaded words (``gather.words`` int32 a thread, a ``WG_STRIDED`` array), so the
   producer issues them before it waits for the stage to be free; the gather then takes
   the words as its first argument and only dequantizes and stores.
+
+  ``half`` (bf16 rows): only half ``half`` of the stage (:func:`jax_mla._mosaic.half_part`):
+  0, main columns 0-255, with the validity and the next step's indices; 1, main columns
+  256-511 and the RoPE columns. Each call is its own ``cp.async`` group.
   """
   from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic import gpu as mgpu
@@ -384,6 +483,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     raise ValueError("a CTA pair shares only dequantized rows (bf16 rows are cp.async copies)")
   if early and (pair or not dequantized(fmt)):
     raise ValueError("early loads are for quantized rows without a CTA pair")
+  if half is not None and dequantized(fmt):
+    raise ValueError("half stages are for bf16 rows")
+  stage_half = half  # (gather's code has a local ``half``)
+  stages_next = half is None  # this call stages the next step's indices
+  stores_valid = half in (None, 0)  # and the validity
   row_asm = functools.partial(_dequant_asm, fmt) if dequantized(fmt) else None
 
   # Bytes the peer of a pair stores into a stage: its 32 rows' columns and validity.
@@ -405,7 +509,12 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     c64 = functools.partial(_inline.const, bits=64)
     kv_base = _inline.global_ptr(kv_ref)
     thread_rows = [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
-    idxs = [memref.load(staged_ref, [arith.index_cast(_index(), row)]) for row in thread_rows]
+    if stage_half is None:
+      idxs = [memref.load(staged_ref, [arith.index_cast(_index(), row)]) for row in thread_rows]
+    else:  # halves: ``staged_ref`` is the step's indices in GMEM
+      idx_base = _inline.global_ptr(staged_ref)
+      idxs = [llvm.inline_asm(i32, [at(idx_base, arith.extui(i64, arith.muli(row, c32(4))))],
+                              "ld.global.nc.b32 $0, [$1];", "=r,l") for row in thread_rows]
     if masked:  # rows at or past this many are refused
       step_ref, row_ref, len_ref = masked_refs
       address = lambda ref: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref))  # noqa: E731
@@ -477,6 +586,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     (next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
      *extra_refs) = args
     pair_ref = extra_refs[0] if pair else None
+    half_bar = extra_refs[0] if stage_half is not None else None
     i32, i64, index, void = _inline.int_type(), _inline.int_type(64), _index(), _inline.void()
     c32, at = _inline.const, _inline.at
     c64 = functools.partial(_inline.const, bits=64)
@@ -517,11 +627,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                                             extra_refs[-3:] if masked else ())
     next_src = _inline.global_ptr(next_idx_ref)
     next_dst = mgpu_utils.memref_ptr(next_staged_ref)
-    for row in thread_rows:
+    for row in thread_rows if stages_next else ():
       off = arith.muli(row, c32(4))
       llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
                       "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
-    for row, ok in zip(thread_rows, oks, strict=True):
+    for row, ok in zip(thread_rows, oks, strict=True) if stores_valid else ():
       memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
       if pair:  # lane 0's copy alone is counted
         valid_at = at(mgpu_utils.memref_ptr(valid_ref), arith.muli(row, c32(4)))
@@ -534,8 +644,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     # offset of tile piece 0, bytes between the thread's rows in the stage).
     copies = []
     if not dequantized(fmt):
-      copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in range(D_MAIN // TILE)]
-    if d_qk > D_MAIN:
+      tiles = D_MAIN // TILE
+      halves = (range(tiles) if stage_half is None
+                else range(stage_half * tiles // 2, (stage_half + 1) * tiles // 2))
+      copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in halves]
+    if d_qk > D_MAIN and stage_half != 0:
       rope_at = fmt.rope_offset if isinstance(fmt, DsMla) else 2 * D_MAIN
       copies.append((dst(rope_base, 1, c32(0), lane), rope_at, rope_stride))
     if isinstance(fmt, Model1):  # the RoPE part is column tile 7 of the 512
@@ -598,7 +711,12 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
           text = parts.fused()
         llvm.inline_asm(void, operands, text, ",".join(["l", "l"] + ["r"] * (len(operands) - 2)),
                         has_side_effects=True)
-    llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
+    if half_bar is None:
+      llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
+    else:  # the half's barrier counts this thread once its copies have landed
+      llvm.inline_asm(void, [mgpu_utils.memref_ptr(half_bar)],
+                      "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "r",
+                      has_side_effects=True)
 
   gather.masked = masked
   gather.early = early
