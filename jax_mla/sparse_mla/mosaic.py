@@ -243,7 +243,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   if halves:  # its scratch's first rows are free once it returns: the output staging
     stats = p_stats
     valid_bar = kv_bar  # a slot's validity row written
-    # The halves' mbarriers, hand-rolled (cp.async arrives on them), in valid's row 2.
+    # The halves' mbarriers, hand-rolled (cp.async arrives on them), in valid's spare
+    # row 2: an allocation of their own takes a 1 KiB block, and 928 bytes are left.
     loaded = lambda part: valid.at[2, pl.ds(2 * part, 2)]  # noqa: E731
     init_halves(plgpu, valid.at[2])
   wg = lax.axis_index("wg")
