@@ -219,7 +219,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
     # one) or halves (64-row tiles: each half has one reader, see consume_pairs).
     parts = 1 if transposed else 2
     zero_rows = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, swizzled))(
-        functools.partial(_zero_rows, halves=3 - parts, rope=parts == 1 or part == 1))
+        functools.partial(_zero_rows, halves=2 // parts, rope=parts == 1 or part == 1))
                  for part in range(parts)]
 
     def load_part(i, part):

@@ -222,7 +222,7 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair,
-            tokens, splits, query_len, direct_lse, persistent):
+            tokens, splits, query_len, direct_lse, persistent, halves):
   """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``len_ref`` (None:
   no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them; ``refs``: the sets' indices, then
@@ -232,15 +232,15 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   decode's ``[b, query_len]`` queries, whose lengths are per request (``[n, b]``);
   ``direct_lse``: the LSE output is ``[b, h_q, query_len]``. ``persistent``: one CTA
   per SM takes (token, head block) items one after another
-  (:func:`.mosaic_gather.run_items`)."""
+  (:func:`.mosaic_gather.run_items`). ``halves``: ``Config.half_stages`` applies (each
+  gather is a pair of halves; the consumers run :func:`jax_mla._mosaic.consume_pairs`)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, stats, p_stats, *pair_bars = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
   q_free = q_free[0] if persistent else None
-  halves = isinstance(gathers[0], tuple)  # the pair loop (consume_pairs), bf16 rows
-  if halves:  # its scratch's first rows are free once it returns: the output staging
+  if halves:  # consume_pairs' scratch rows 0-1 are free once it returns: the output staging
     stats = p_stats
     valid_bar = kv_bar  # a slot's validity row written
     # The halves' mbarriers, hand-rolled (cp.async arrives on them), in valid's spare
@@ -455,7 +455,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
                              gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair,
                              tokens=tokens, splits=num_splits, query_len=query_len,
-                             direct_lse=direct_lse, persistent=persistent)
+                             direct_lse=direct_lse, persistent=persistent, halves=halves)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),

@@ -469,9 +469,12 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   producer issues them before it waits for the stage to be free; the gather then takes
   the words as its first argument and only dequantizes and stores.
 
-  ``half`` (bf16 rows): only half ``half`` of the stage (:func:`jax_mla._mosaic.half_part`):
-  0, main columns 0-255, with the validity and the next step's indices; 1, main columns
-  256-511 and the RoPE columns. Each call is its own ``cp.async`` group.
+  ``half`` (bf16 rows, :func:`produce_halves`): only half ``half`` of the stage
+  (:func:`jax_mla._mosaic.half_part`): 0, main columns 0-255 and the validity; 1, main
+  columns 256-511 and the RoPE columns. The step's indices are read from GMEM
+  (``staged_ref`` is then the step's 64 indices there; nothing is staged for the next
+  step), and the call's copies arrive on the half's mbarrier (the first extra ref)
+  instead of closing a ``cp.async`` group.
   """
   from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic import gpu as mgpu
@@ -625,12 +628,13 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
 
     thread_rows, oks, rows, scales = locate(kv_ref, staged_ref, first_row,
                                             extra_refs[-3:] if masked else ())
-    next_src = _inline.global_ptr(next_idx_ref)
-    next_dst = mgpu_utils.memref_ptr(next_staged_ref)
-    for row in thread_rows if stages_next else ():
-      off = arith.muli(row, c32(4))
-      llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
-                      "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
+    if stages_next:
+      next_src = _inline.global_ptr(next_idx_ref)
+      next_dst = mgpu_utils.memref_ptr(next_staged_ref)
+      for row in thread_rows:
+        off = arith.muli(row, c32(4))
+        llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
+                        "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
     for row, ok in zip(thread_rows, oks, strict=True) if stores_valid else ():
       memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
       if pair:  # lane 0's copy alone is counted
