@@ -420,6 +420,9 @@ def test_rejects_interpret():
 def test_config_register_rule():
   assert mosaic.default_config(None) == mosaic.Config(consumer_registers=232,
                                                       producer_registers=40)
+  # bf16 prefill at multiples of 128 heads: the stages arrive in halves.
+  assert mosaic.default_config(None, 256).half_stages
+  assert not mosaic.default_config(None, 192).half_stages
   with pytest.raises(ValueError, match="504 or the kernel hangs"):
     mosaic.Config(consumer_registers=224, producer_registers=64)
   with pytest.raises(ValueError, match="num_stages"):

@@ -118,8 +118,7 @@ class Config:
       (:func:`.mosaic_gather.produce_halves`, FlashMLA's sm90 sparse prefill schedule);
       not persistent. H100: prefill V3.2 4688-4715 us and V4 h128 2372-2394 us against
       5295 and 2684 us without; V4 h64 (one head block a token) 771-772 against 753 us.
-      Off by default until its GPU test suite has run (session 26 ran out of device
-      time after its smoke test, benchmark comparison and memcheck).
+      :func:`default_config` turns it on where it applies.
     num_splits: decode: CTAs per token and head block, each taking an equal share of
       the token's key steps; the parts are combined by
       :func:`jax_mla.merge_mosaic.combine` (a second Mosaic GPU kernel). None picks
@@ -172,7 +171,9 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer
   keeps more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210
   TFLOP/s; 104 and 120 gave no more). The bf16 producer only issues ``cp.async``
-  copies: 40 registers. Transposed kernel: one consumer warpgroup takes every stage
+  copies: 40 registers; at ``h_q`` a multiple of 128 it fills each stage in halves
+  (``half_stages``; H100 side by side, 2026-11-26: V3.2 0.875x, V4 h128 0.867x FlashMLA,
+  against 0.817x and 0.841x without). Transposed kernel: one consumer warpgroup takes every stage
   (``consumers=1``), which frees the registers for a second producer (H100, interleaved
   medians of two runs, against two consumers and one producer at 176 / 152): 16 heads
   a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16 225.5 /
@@ -206,7 +207,8 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
     if pair and isinstance(fmt, Model1):
       return Config(consumer_registers=216, producer_registers=72, pair=True)
     return Config(consumer_registers=208, producer_registers=88, pair=pair)
-  return Config(consumer_registers=232, producer_registers=40)
+  return Config(consumer_registers=232, producer_registers=40,
+                half_stages=h_q % (2 * BLOCK_H) == 0)
 
 
 def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
