@@ -54,11 +54,12 @@ def _nan_unused(rows, idx):
 
 def sparse_prefill(impl):
   """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads);
-  topk 150 (Mosaic GPU: the index pre-pass) and 192 (the gather masks the lengths); 16
-  heads over 271 tokens."""
+  topk 150 (Mosaic GPU: the index pre-pass) and 192 (the gather masks the lengths); topk
+  1024 at 128 and 64 heads (Mosaic GPU: the half-stage kernel); 16 heads over 271
+  tokens."""
   rng = np.random.default_rng(0)
   for d_qk, h_q, topk in ((576, 128, 150), (512, 128, 150), (576, 24, 150), (576, 128, 192),
-                          (576, 24, 192)):
+                          (576, 24, 192), (576, 128, 1024), (512, 64, 1024)):
     s_q, s_kv = 5, 300
     idx = _bad_indices(rng, (s_q, topk), s_kv)
     kv = _nan_unused(rng.standard_normal((s_kv, d_qk)).astype(np.float32) / 3, idx)

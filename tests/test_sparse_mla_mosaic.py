@@ -124,22 +124,23 @@ HALF_STAGE_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [128, 64])
 @pytest.mark.parametrize("case", list(HALF_STAGE_CASES))
-def test_half_stages(case):
-  """``Config.half_stages`` (the pair loop over per-half stages, 128 heads) against the
-  reference: invalid indices and NaN in unused rows, a one-key and a partial step,
-  lengths from -3 to past topk with +-inf sinks, whole rows invalid, more tokens than
-  SMs."""
+def test_half_stages(case, h_q):
+  """``Config.half_stages`` (the pair loop over per-half stages; two head blocks a
+  token, or one) against the reference: invalid indices and NaN in unused rows, a
+  one-key and a partial step, lengths from -3 to past topk with +-inf sinks, whole rows
+  invalid, more tokens than SMs."""
   s_q, d_qk, topk, with_lengths, all_invalid = HALF_STAGE_CASES[case]
-  rng = np.random.default_rng(len(case) + topk)
-  q, kv, idx = _case(rng, s_q, 128, d_qk, S_KV, topk)
+  rng = np.random.default_rng(len(case) + topk + h_q)
+  q, kv, idx = _case(rng, s_q, h_q, d_qk, S_KV, topk)
   if all_invalid:
     idx = idx.at[1].set(-1).at[3].set(S_KV)
   kw = {}
   if with_lengths:
     lengths = rng.integers(-3, topk + 100, s_q)
     lengths[:3] = 0, topk, 1
-    sink = rng.standard_normal(128).astype(np.float32)
+    sink = rng.standard_normal(h_q).astype(np.float32)
     sink[::3], sink[1::3] = np.inf, -np.inf
     kw = {"topk_length": jnp.asarray(lengths, jnp.int32), "attn_sink": jnp.asarray(sink)}
   _check(q, kv, idx, config=HALF_STAGES, **kw)
@@ -147,14 +148,16 @@ def test_half_stages(case):
 
 @pytest.mark.parametrize("d_qk", [576, 512])
 def test_half_stages_lower(d_qk):
-  """The half-stage prefill kernel lowers for CUDA, its copies arriving on the halves'
-  mbarriers; a config for fewer heads falls back to the persistent kernel. Runs without
-  a GPU."""
+  """The half-stage prefill kernel lowers for CUDA (two head blocks a token, or one),
+  its copies arriving on the halves' mbarriers; without the option the kernel is the
+  persistent one. Runs without a GPU."""
   s = jax.ShapeDtypeStruct
-  for h_q, halves in ((128, True), (64, False)):
+  persistent = mosaic.Config(consumer_registers=232, producer_registers=40)
+  for h_q, config, halves in ((128, HALF_STAGES, True), (64, HALF_STAGES, True),
+                              (64, persistent, False)):
     lowered = lowers_for_cuda(
-        lambda q, kv, idx, lens: mosaic.sparse_prefill(q, kv, idx, None, lens, sm_scale=0.1,
-                                                       config=HALF_STAGES),
+        lambda q, kv, idx, lens, config=config: mosaic.sparse_prefill(
+            q, kv, idx, None, lens, sm_scale=0.1, config=config),
         s((3, h_q, d_qk), jnp.bfloat16), s((100, d_qk), jnp.bfloat16), s((3, 64), jnp.int32),
         s((3,), jnp.int32))
     assert ("cp.async.mbarrier.arrive.noinc" in lowered.as_text()) == halves
@@ -420,9 +423,11 @@ def test_rejects_interpret():
 def test_config_register_rule():
   assert mosaic.default_config(None) == mosaic.Config(consumer_registers=232,
                                                       producer_registers=40)
-  # bf16 prefill at multiples of 128 heads: the stages arrive in halves.
-  assert mosaic.default_config(None, 256).half_stages
-  assert not mosaic.default_config(None, 192).half_stages
+  # bf16 prefill over long rows: the stages arrive in halves; short rows, persistent CTAs.
+  assert mosaic.default_config(None, 128, topk=mosaic.HALF_STAGE_MIN_TOPK).half_stages
+  assert mosaic.default_config(None, 64, topk=2048).half_stages
+  assert not mosaic.default_config(None, 128, topk=512).half_stages
+  assert not mosaic.default_config(None, 128).half_stages
   with pytest.raises(ValueError, match="504 or the kernel hangs"):
     mosaic.Config(consumer_registers=224, producer_registers=64)
   with pytest.raises(ValueError, match="num_stages"):

@@ -16,9 +16,9 @@ stages in turns:
   (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
   of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
   split each step's gather between their producers. With ``Config.half_stages`` (bf16
-  prefill, two head blocks a token; off by default) the consumers take the stages in
-  pairs instead (:func:`jax_mla._mosaic.consume_pairs`), each stage arriving in two
-  halves. Otherwise (and with one split) the CTAs are persistent, one per SM, taking
+  prefill; by default at ``topk`` 1024 and up) the consumers take the stages in pairs
+  instead (:func:`jax_mla._mosaic.consume_pairs`), each stage arriving in two halves.
+  Otherwise (and with one split) the CTAs are persistent, one per SM, taking
   (token, head block) items one after another: the producer gathers an item's first
   stage while the consumers still finish the last item, then loads the item's query
   once the last output has left the query's SMEM (its staging).
@@ -79,6 +79,12 @@ BLOCK_H = 64  # query heads per CTA: one wgmma M
 # The fewest key steps a decode split keeps (H200, fp8_ds_mla h128 topk 2048, s_q 1: at
 # b 1 and 4, 16 splits of 2 steps 42-44 us, 8 of 4 steps 48-49 us, one split 128 us).
 MIN_SPLIT_STEPS = 2
+# bf16 prefill: from this many keys a token, the half-stage kernel (Config.half_stages)
+# is the faster one (H100, V4 shapes, s_q 4096, medians of 3 rounds, persistent / half
+# stages: h 64 topk 512 748-758 / 767-770 us, 1024 1377-1512 / 1285-1324, 2048
+# 2580-2655 / 2309-2364; h 128 topk 256 856-872 / 953-958, 512 1413-1696 / 1397-1432,
+# 1024 2645-2718 / 2356-2480).
+HALF_STAGE_MIN_TOPK = 1024
 
 
 def register_budget(producers: int, consumers: int = 2) -> int:
@@ -112,13 +118,14 @@ class Config:
       otherwise): the two head blocks of a token run as a 2-CTA cluster and each
       gathers half of every step's rows into both CTAs' stages (FlashMLA's split), so
       each row is loaded and dequantized once per token, not once per head block.
-    half_stages: bf16 prefill with ``h_q`` a multiple of 128: the consumers take the
+    half_stages: bf16 prefill on the head-block kernel: the consumers take the
       stages in pairs (:func:`jax_mla._mosaic.consume_pairs`) and the producer fills
       each stage in two halves that arrive on their own barriers as the copies land
       (:func:`.mosaic_gather.produce_halves`, FlashMLA's sm90 sparse prefill schedule);
       not persistent. H100: prefill V3.2 4688-4715 us and V4 h128 2372-2394 us against
-      5295 and 2684 us without; V4 h64 (one head block a token) 771-772 against 753 us.
-      :func:`default_config` turns it on where it applies.
+      5295 and 2684 us without; V4 h64 topk 512 771-772 against 753 us. The stages in
+      pairs pay off over long rows and the persistent CTAs over short ones:
+      :func:`default_config` turns it on from ``topk`` :data:`HALF_STAGE_MIN_TOPK`.
     num_splits: decode: CTAs per token and head block, each taking an equal share of
       the token's key steps; the parts are combined by
       :func:`jax_mla.merge_mosaic.combine` (a second Mosaic GPU kernel). None picks
@@ -162,27 +169,29 @@ def transposed(h_q: int) -> bool:
   return h_q % BLOCK_H != 0 and h_q <= _mosaic.TRANSPOSED_MAX_ROWS
 
 
-def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
+def default_config(fmt: Format | None, h_q: int = BLOCK_H, topk: int | None = None
+                   ) -> Config:
   """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows; a decode's
   main set decides for its extra set, which is quantized too when the main set is) and
-  ``h_q`` heads.
+  ``h_q`` heads; bf16 prefill with ``topk`` (keys a token) of at least
+  :data:`HALF_STAGE_MIN_TOPK` on the head-block kernel: ``half_stages``.
 
   The producers are latency-bound. Head-block kernel (``h_q`` a multiple of 64): the
-  consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer
-  keeps more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210
-  TFLOP/s; 104 and 120 gave no more). The bf16 producer only issues ``cp.async``
-  copies: 40 registers; at ``h_q`` a multiple of 128 it fills each stage in halves
-  (``half_stages``; H100 side by side, 2026-11-26: V3.2 0.875x, V4 h128 0.867x FlashMLA,
-  against 0.817x and 0.841x without). Transposed kernel: one consumer warpgroup takes every stage
-  (``consumers=1``), which frees the registers for a second producer (H100, interleaved
-  medians of two runs, against two consumers and one producer at 176 / 152): 16 heads
-  a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16 225.5 /
-  237.5 vs 240.8 / 247.5 us, fp8_model1 h16 174.1 / 171.0 vs 183.8 / 186.4 us; bf16
-  prefill h16 (s_q 1024) 512.1 us at 232 / 136 vs 603.6 us. 32 heads a CTA: the
-  consumer's accumulators need 256 registers, so one producer (fp8_ds_mla b128 h32
-  258.3 / 257.4 vs 280.1 / 283.4 us; two producers beside a consumer at 184-232:
-  310-483 us). With two consumers, two producers left them 168 or fewer registers
-  (285 us at 168 / 88).
+  consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer keeps
+  more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s;
+  104 and 120 gave no more). The bf16 producer only issues ``cp.async`` copies: 40
+  registers; over long rows it fills each stage in halves (``half_stages``; H100 side by
+  side, 2026-11-26, three machines: V3.2 0.875-0.899x, V4 h128 0.867-0.909x FlashMLA,
+  against 0.817x and 0.841x without). Transposed kernel: one consumer warpgroup takes
+  every stage (``consumers=1``), which frees the registers for a second producer (H100,
+  interleaved medians of two runs, against two consumers and one producer at 176 / 152):
+  16 heads a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16
+  225.5 / 237.5 vs 240.8 / 247.5 us, fp8_model1 h16 174.1 / 171.0 vs 183.8 / 186.4 us;
+  bf16 prefill h16 (s_q 1024) 512.1 us at 232 / 136 vs 603.6 us. 32 heads a CTA: the
+  consumer's accumulators need 256 registers, so one producer (fp8_ds_mla b128 h32 258.3
+  / 257.4 vs 280.1 / 283.4 us; two producers beside a consumer at 184-232: 310-483 us).
+  With two consumers, two producers left them 168 or fewer registers (285 us at 168 /
+  88).
 
   ``pair`` (H100, V4 decode rows b256 h128, interleaved medians): fp8_v41 542 / 531 us
   with it, 576 / 585 us without; fp8_model1 540 / 548 us with, 548 / 552 us without;
@@ -208,7 +217,7 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
       return Config(consumer_registers=216, producer_registers=72, pair=True)
     return Config(consumer_registers=208, producer_registers=88, pair=pair)
   return Config(consumer_registers=232, producer_registers=40,
-                half_stages=h_q % (2 * BLOCK_H) == 0)
+                half_stages=topk is not None and topk >= HALF_STAGE_MIN_TOPK)
 
 
 def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
@@ -415,7 +424,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   pair = (config.pair and num_splits == 1 and h_q % (2 * BLOCK_H) == 0
           and all(map(dequantized, fmts)))
   halves = (config.half_stages and fmts == (None,) and num_splits == 1
-            and config.num_stages == 2 and h_q % (2 * BLOCK_H) == 0)
+            and config.num_stages == 2)
   gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, pair=pair,
                                                           query_len=query_len, halves=halves)
   # Split parts are combined before the sinks apply: the kernel then runs without.

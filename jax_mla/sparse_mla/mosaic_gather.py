@@ -28,7 +28,7 @@ producer then gathers half of every step's rows and stores them into both CTAs' 
 (``st.async``, counted by a per-stage mbarrier, :func:`init_pair`), so a row is
 loaded and dequantized once per token, not once per head block.
 
-With ``Config.half_stages`` (bf16 prefill, 128 heads or a multiple) the producer fills
+With ``Config.half_stages`` (bf16 prefill on the head-block kernel) the producer fills
 each stage in two halves for :func:`jax_mla._mosaic.consume_pairs`
 (:func:`produce_halves`, FlashMLA's sm90 sparse prefill producer): each thread's copies
 arrive on the half's own mbarrier as they land (``cp.async.mbarrier.arrive.noinc``),
