@@ -399,6 +399,12 @@ def half_part(slot, half):
   return slot * 2 + half
 
 
+# The order in which consume_pairs frees the halves of a pair of stages, and so the
+# order its producer refills them in: (stage of the pair, half). Each stage's owner
+# frees its own half first (warpgroup w owns stage w of the pair and half w).
+PAIR_FILL_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
+
+
 def half_barriers(plgpu_mod, ready, free):
   """``(wait_loaded, release)`` for :func:`consume_pairs` over Pallas barriers, four
   each (:func:`half_part`)."""

@@ -267,16 +267,15 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 
     if transposed:
       pl.loop(0, steps)(lambda i: load_part(i, 0))
-    else:
-      # Halves in the order the consumers free them: each stage's owner frees its own
-      # half first.
+    else:  # halves in the order consume_pairs frees them
       @pl.loop(0, lax.div(steps + 1, 2))
       def _(k):
-        a, b = 2 * k, 2 * k + 1
-        load_part(a, 0)
-        pl.when(b < steps)(lambda: load_part(b, 1))
-        load_part(a, 1)
-        pl.when(b < steps)(lambda: load_part(b, 0))
+        stages = 2 * k, 2 * k + 1
+        for j, h in _mosaic.PAIR_FILL_ORDER:
+          if j == 0:  # stage 2k exists; 2k + 1 may not
+            load_part(stages[j], h)
+          else:
+            pl.when(stages[j] < steps)(functools.partial(load_part, stages[j], h))
 
 
 def part_arrivals(transposed: bool) -> int:

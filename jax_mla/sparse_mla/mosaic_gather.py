@@ -339,8 +339,8 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
                    valid, barriers, first, request):
   """The producer for :func:`jax_mla._mosaic.consume_pairs` over one bf16 key set (call
   after ``set_max_registers``): stage ``i`` goes into slot ``i % 2`` in two halves, in
-  the order the consumers free them (per pair of stages ``a, b``: ``a`` half 0, ``b``
-  half 1, ``a`` half 1, ``b`` half 0), FlashMLA's sm90 sparse prefill producer. Each
+  the order the consumers free them (:data:`jax_mla._mosaic.PAIR_FILL_ORDER`),
+  FlashMLA's sm90 sparse prefill producer. Each
   thread's copies of a half arrive on the half's mbarrier when they land
   (``cp.async.mbarrier.arrive.noinc``): the producer never waits for its own loads,
   only for a half to be free. The indices are read from GMEM by the gather itself.
@@ -380,9 +380,9 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
 
   @pl.loop(0, lax.div(steps + 1, 2))
   def _(k):
-    a, b = 2 * k, 2 * k + 1
-    for i, h in ((a, 0), (b, 1), (a, 1), (b, 0)):
-      unit(i, h)
+    stages = 2 * k, 2 * k + 1
+    for j, h in _mosaic.PAIR_FILL_ORDER:
+      unit(stages[j], h)
 
 
 def init_halves(plgpu, bar_ref):
@@ -420,6 +420,7 @@ def wait_half(plgpu, bar_ref, parity: int):
         f"{parity}; @!done bra WAIT;}}", "r", has_side_effects=True)
 
   plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(body)(bar_ref)
+
 
 def run_items(body, *, persistent: bool, tokens: int, blocks: int):
   """Runs ``body(k, t, h, ring_start)`` for this CTA's items: its ``k``-th (token ``t``,
