@@ -508,9 +508,11 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     release(slot, w)
     return acc
 
-  def rescaled(m_new, m_run, acc, l_run):
-    """``(acc, l)`` brought from max ``m_run`` to ``m_new``."""
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+  def usable(m_new):  # rows with no key yet: 0, so no (-inf) - (-inf)
+    return jnp.where(m_new == -jnp.inf, 0.0, m_new)
+
+  def rescaled(m_use, m_run, acc, l_run):
+    """``(acc, l)`` brought from max ``m_run`` to ``m_use`` (the new max, :func:`usable`)."""
     alpha = jnp.exp2(m_run - m_use)
     return acc * bcast(alpha, acc.shape), l_run * alpha
 
@@ -523,12 +525,12 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     stats.at[w][...] = row_max
     plgpu.barrier_arrive(published(w))
     m_new = jnp.maximum(m_run, other_max(row_max))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+    m_use = usable(m_new)
     p = jnp.exp2(s * scale - bcast(m_use, s.shape))
     p_sum = p.sum(axis=1)
     p = p.astype(jnp.bfloat16)
     # The accumulator is rescaled once P is in bf16: the scores are dead by then.
-    acc, l_run = rescaled(m_new, m_run, acc, l_run)
+    acc, l_run = rescaled(m_use, m_run, acc, l_run)
     l_run = l_run + p_sum
 
     def store_p():  # while the product runs
@@ -558,7 +560,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     acc, m_run, l_run = carry
     plgpu.barrier_wait(published(0))
     m_new = jnp.maximum(m_run, load(stats.at[0]))
-    acc, l_run = rescaled(m_new, m_run, acc, l_run)
+    acc, l_run = rescaled(usable(m_new), m_run, acc, l_run)
     return other_stage(1, acc, opaque_zero(steps)), m_new, l_run
 
   plgpu.barrier_wait(q_bar)
