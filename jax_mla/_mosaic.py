@@ -6,6 +6,7 @@ on use, never at package import.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -424,8 +425,19 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   pair's stage in slot ``w`` (64 x 64 over the two 256-wide halves of the main columns
   plus the 64 RoPE columns), and both multiply both stages' ``P`` by their half of ``V``
   (the main columns of the same key rows): their own ``P`` from registers, the other's
-  from SMEM. The two ``S`` products run side by side and so do the two softmaxes, which
-  settle the pair's max in one exchange of row maxima.
+  from SMEM.
+
+  The two warpgroups are staggered, FlashMLA's schedule, so that one's softmax runs
+  while the other's products keep the tensor cores busy. Warpgroup 0 leads: it issues
+  ``S`` of its next stage right behind its last product of the pair (slot 1's ``P``),
+  takes the softmax at its own running max and publishes that max; warpgroup 1 takes
+  it in, publishes the pair's max and multiplies; warpgroup 0 then brings its float32
+  ``P`` (rounded to bf16 once), its accumulator and its sum to the pair's max before it
+  stores that ``P`` for warpgroup 1. Without the lead (a staggered softmax alone) it
+  was no faster (RESULTS.md, session 27); with ``S`` carried across the loop boundary,
+  both warpgroups ahead, it spilled 240 bytes a thread and ran 17-40% slower (the
+  same). Here no value is in flight across the loop boundary: warpgroup 0's iteration
+  starts with the last pair's product.
 
   Warpgroup ``h`` frees half ``h`` of a slot as soon as it has multiplied by it: its
   own slot's half right after its own product, so the producer refills it while the
@@ -473,24 +485,34 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
   # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.
-  published = lambda w: handoff.at[w]  # noqa: E731
+  published = lambda w: handoff.at[w]  # noqa: E731  warpgroup 0: its max; 1: the pair's
   stored = lambda w: handoff.at[2 + w]  # noqa: E731
   p_index = lambda slot: slot * 3  # noqa: E731  P of slot ``slot``
   row = row_layout(plgpu)
   load = lambda ref: plgpu.load(ref, (), layout=row, optimized=False)  # noqa: E731
   bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
+  wgmma_zeros = lambda shape: plgpu.layout_cast(  # noqa: E731
+      jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+  def issue_scores(i, w, s_ref, z, after_own_half=lambda: None):
+    """Issues ``S += Q K^T`` of stage ``i`` (slot ``w``), own half first (freed first,
+    so loaded first); ``after_own_half`` runs once that half's product is issued."""
+    for j in range(2):
+      h = w if j == 0 else 1 - w
+      wait_loaded(i, w, h)
+      plgpu.wgmma(s_ref, q_main.at[h + z], k_main.at[w + z, h].transpose((1, 0)))
+      if j == 0:
+        after_own_half()
+    if has_rope:
+      plgpu.wgmma(s_ref, rope.at[2 + z], rope.at[w + z].transpose((1, 0)))
 
   def scores(i, w):
+    """The masked ``S`` of stage ``i`` in slot ``w``."""
     apply_mask = mask(i, w)
     z = opaque_zero(i)  # descriptors derived in the loop (no hoisting, no spills)
 
     def qk(s_ref):
-      for j in range(2):  # own half first: freed first, so loaded first
-        h = w if j == 0 else 1 - w
-        wait_loaded(i, w, h)
-        plgpu.wgmma(s_ref, q_main.at[h + z], k_main.at[w + z, h].transpose((1, 0)))
-      if has_rope:
-        plgpu.wgmma(s_ref, rope.at[2 + z], rope.at[w + z].transpose((1, 0)))
+      issue_scores(i, w, s_ref, z)
       return s_ref[...]
 
     return apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
@@ -516,62 +538,129 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     alpha = jnp.exp2(m_run - m_use)
     return acc * bcast(alpha, acc.shape), l_run * alpha
 
-  def own_stage(i, w, carry, other_max):
-    """Stage ``i`` in slot ``w``: ``S``, the max (``other_max(row_max)`` takes in the
-    other warpgroup's), softmax, ``P`` stored and multiplied; returns the new carry."""
+  def softmax(s, m_new, carry):
+    """``P`` (float32) of scores ``s`` at max ``m_new``, and the carry ``(acc, m, l)``
+    brought to it, ``P``'s sum added."""
     acc, m_run, l_run = carry
-    s = scores(i, w)
-    row_max = s.max(axis=1) * scale
-    stats.at[w][...] = row_max
-    plgpu.barrier_arrive(published(w))
-    m_new = jnp.maximum(m_run, other_max(row_max))
     m_use = usable(m_new)
     p = jnp.exp2(s * scale - bcast(m_use, s.shape))
-    p_sum = p.sum(axis=1)
-    p = p.astype(jnp.bfloat16)
-    # The accumulator is rescaled once P is in bf16: the scores are dead by then.
     acc, l_run = rescaled(m_use, m_run, acc, l_run)
-    l_run = l_run + p_sum
+    return p, (acc, m_new, l_run + p.sum(axis=1))
 
-    def store_p():  # while the product runs
-      rope.at[p_index(w)][...] = p
-      plgpu.commit_smem()  # P is read by wgmma (the async proxy)
-      plgpu.barrier_arrive(stored(w))
+  def publish(w, m):
+    stats.at[w][...] = m
+    plgpu.barrier_arrive(published(w))
 
-    return multiply(acc, w, w, p, store_p, z=opaque_zero(i)), m_new, l_run
+  def store_p(w, p):
+    rope.at[p_index(w)][...] = p
+    plgpu.commit_smem()  # P is read by wgmma (the async proxy)
+    plgpu.barrier_arrive(stored(w))
 
-  def other_stage(w, acc, z):
-    """Multiplies by the other warpgroup's ``P`` (slot ``1 - w``)."""
-    plgpu.barrier_wait(stored(1 - w))
-    return multiply(acc, w, 1 - w, z=z)
+  def lead_scores(k, acc):
+    """Warpgroup 0, pair ``k``: ``(acc, masked S of stage 2k)``, the product by slot 1's
+    ``P`` of pair ``k - 1`` (``k > 0``) issued first and its half freed once done."""
+    apply_mask = mask(2 * k, 0)
+    z = opaque_zero(k)
 
-  def pair(k, carry):
-    def with_other(row_max):
-      plgpu.barrier_wait(published(1 - wg))
-      return jnp.maximum(row_max, load(stats.at[1 - wg]))
+    def alone(acc):
+      return acc, pl.run_scoped(lambda s_ref: (issue_scores(2 * k, 0, s_ref, z),
+                                               s_ref[...])[1],
+                                plgpu.ACC((rows, keys), jnp.float32))
 
-    acc, m_new, l_run = own_stage(2 * k + wg, wg, carry, with_other)
-    return other_stage(wg, acc, opaque_zero(k)), m_new, l_run
+    def behind_product(acc):
+      def products(refs):
+        acc_ref, s_ref = refs
+        plgpu.barrier_wait(stored(1))
+        plgpu.wgmma(acc_ref, rope.at[p_index(1) + z], k_main.at[1 + z, 0])
 
-  def last_alone(carry):  # odd last stage: warpgroup 0's
-    return own_stage(steps - 1, 0, carry, lambda row_max: row_max)
+        def free_half():
+          plgpu.wgmma_wait(1)  # the product is done; S's first half may be in flight
+          release(1, 0)
 
-  def last_other(carry):
-    acc, m_run, l_run = carry
+        issue_scores(2 * k, 0, s_ref, z, free_half)
+
+      return pl.run_state(products)(
+          (plgpu.ACC.init(acc), plgpu.ACC.init(wgmma_zeros((rows, keys)))))
+
+    acc, s = lax.cond(k == 0, alone, behind_product, acc)
+    return acc, apply_mask(s)
+
+  def lead_pair(k, carry):
+    """Warpgroup 0, pair ``k``: stage ``2k`` up to its ``P`` stored at the pair's max."""
+    acc, s = lead_scores(k, carry[0])
+    m_own = jnp.maximum(carry[1], s.max(axis=1) * scale)
+    publish(0, m_own)
+    p, (acc, _, l_run) = softmax(s, m_own, (acc, *carry[1:]))
+    acc = multiply(acc, 0, 0, p.astype(jnp.bfloat16), z=opaque_zero(k))
+    plgpu.barrier_wait(published(1))
+    m_pair = load(stats.at[1])
+    factor = jnp.exp2(m_own - usable(m_pair))  # 0 while m_own is -inf
+    store_p(0, (p * bcast(factor, p.shape)).astype(jnp.bfloat16))
+    return acc * bcast(factor, acc.shape), m_pair, l_run * factor
+
+  def follow_pair(k, carry):
+    """Warpgroup 1, pair ``k``: stage ``2k + 1`` at the pair's max, then both products."""
+    s = scores(2 * k + 1, 1)
+    row_max = s.max(axis=1) * scale
     plgpu.barrier_wait(published(0))
-    m_new = jnp.maximum(m_run, load(stats.at[0]))
-    acc, l_run = rescaled(usable(m_new), m_run, acc, l_run)
-    return other_stage(1, acc, opaque_zero(steps)), m_new, l_run
+    m_pair = jnp.maximum(load(stats.at[0]), row_max)  # warpgroup 0's is past carry's
+    publish(1, m_pair)
+    p, carry = softmax(s, m_pair, carry)
+    p = p.astype(jnp.bfloat16)
+    z = opaque_zero(k)
+
+    def products(acc_ref):
+      plgpu.wgmma(acc_ref, p, k_main.at[1 + z, 1])
+      store_p(1, p)  # while the product runs
+      plgpu.barrier_wait(stored(0))
+      plgpu.wgmma(acc_ref, rope.at[p_index(0) + z], k_main.at[z, 1])
+      plgpu.wgmma_wait(1)
+      release(1, 1)
+
+    acc = pl.run_state(products)(plgpu.ACC.init(carry[0]))
+    release(0, 1)
+    return acc, *carry[1:]
+
+  def lead_tail(carry):
+    """Warpgroup 0 after the pairs: the last pair's product by slot 1's ``P``, then an
+    odd last stage (its alone)."""
+    acc, m_run, l_run = carry
+
+    def last_product(acc):
+      plgpu.barrier_wait(stored(1))
+      return multiply(acc, 0, 1, z=opaque_zero(steps))
+
+    def last_alone(carry):
+      s = scores(steps - 1, 0)
+      m_new = jnp.maximum(carry[1], s.max(axis=1) * scale)
+      publish(0, m_new)
+      p, carry = softmax(s, m_new, carry)
+      p = p.astype(jnp.bfloat16)
+      return multiply(carry[0], 0, 0, p, lambda: store_p(0, p), z=opaque_zero(steps)), \
+          *carry[1:]
+
+    acc = lax.cond(steps >= 2, last_product, lambda a: a, acc)
+    return lax.cond(lax.rem(steps, 2) == 1, last_alone, lambda c: c, (acc, m_run, l_run))
+
+  def follow_tail(carry):
+    """Warpgroup 1 after the pairs: an odd last stage's max and ``P``."""
+    def last_other(carry):
+      acc, m_run, l_run = carry
+      plgpu.barrier_wait(published(0))
+      m_new = jnp.maximum(m_run, load(stats.at[0]))
+      acc, l_run = rescaled(usable(m_new), m_run, acc, l_run)
+      plgpu.barrier_wait(stored(0))
+      return multiply(acc, 1, 0, z=opaque_zero(steps)), m_new, l_run
+
+    return lax.cond(lax.rem(steps, 2) == 1, last_other, lambda c: c, carry)
 
   plgpu.barrier_wait(q_bar)
-  carry = (plgpu.layout_cast(jnp.zeros((rows, half), jnp.float32), plgpu.Layout.WGMMA),
+  carry = (wgmma_zeros((rows, half)),
            plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row),
            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row))
-  carry = lax.fori_loop(0, lax.div(steps, 2), pair, carry)
-  acc, m, l_own = lax.cond(
-      lax.rem(steps, 2) == 1,
-      lambda c: lax.cond(wg == 0, last_alone, last_other, c),
-      lambda c: c, carry)
+  carry = lax.fori_loop(0, lax.div(steps, 2), lambda k, c: lax.cond(
+      wg == 0, functools.partial(lead_pair, k), functools.partial(follow_pair, k), c), carry)
+  acc, m, l_own = lax.cond(wg == 0, lead_tail, follow_tail, carry)
   # Both warpgroups end at the same max (-inf with no stage); their sums add.
   stats.at[2 + wg][...] = l_own
   plgpu.barrier_arrive(done_bar)

@@ -134,13 +134,16 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
   steps = jnp.minimum(jnp.maximum(n_total - blk0, 0), chunk)
   # With causal, rows of different tokens see different keys: a row's own limit.
   per_row = causal and s_q > 1 and h_q % rows != 0
+  least_limit = limit(lax.div(first_row, h_q)) if per_row else lim  # the tile's first token's
 
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(registers[0], action="increase")
     s_shape, key_axis = ((PAGE, rows), 0) if transposed else ((rows, PAGE), 1)
-    iota = lambda axis: plgpu.broadcasted_iota(  # noqa: E731
-        jnp.int32, s_shape, axis, layout=plgpu.Layout.WGMMA)
+
+    def iota(axis):  # S's indices along `axis`, as a vector (half the registers of a tile)
+      layout = _mosaic.col_layout if axis == 1 else _mosaic.row_layout
+      return plgpu.broadcasted_iota(jnp.int32, (s_shape[axis],), 0, layout=layout(plgpu))
 
     def mask(i, slot):
       del slot
@@ -149,7 +152,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       # An invalid block id shifts every limit below 0: no key of the block is seen.
       base = jnp.where((pg >= 0) & (pg < num_blocks), blk * PAGE, 1 << 30)
 
-      def key_limits():  # the keys' index tile and the rows' key limits
+      def key_limits():  # the keys' indices and the rows' key limits (vectors or scalar)
         key = iota(key_axis)
         if not per_row:
           return key, lim
@@ -164,13 +167,19 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 
       def apply(s, limits):
         key, row_lim = limits
+        if per_row:
+          row_lim = lax.broadcast_in_dim(row_lim, s.shape, [1 - key_axis])
+        key = lax.broadcast_in_dim(key, s.shape, [key_axis])
         return jnp.where(key < row_lim - base, s, -jnp.inf)
 
       if transposed:
         limits = key_limits()
         return lambda s: apply(s, limits)
-      # 64-row tiles: made after the scores' wait, not held across it (registers)
-      return lambda s: apply(s, key_limits())
+      # 64-row tiles: made after the scores' wait, not held across it, and only for a
+      # block some row does not see whole (its last): with the key indices in every
+      # step, ptxas spilled 472 bytes a thread in consume_pairs (RESULTS.md, session 29).
+      return lambda s: lax.cond(least_limit - base >= PAGE, lambda s: s,
+                                lambda s: apply(s, key_limits()), s)
 
     consume = dict(wg=wg, q_main=q_nope, k_main=kv_nope, steps=steps,
                    shared=(p_stats, p_ready), mask=mask, scale=scale)
