@@ -123,7 +123,8 @@ class Config:
       each stage in two halves that arrive on their own barriers as the copies land
       (:func:`.mosaic_gather.produce_halves`, FlashMLA's sm90 sparse prefill schedule);
       not persistent. H100: prefill V3.2 4688-4715 us and V4 h128 2372-2394 us against
-      5295 and 2684 us without; V4 h64 topk 512 771-772 against 753 us. The stages in
+      5295 and 2684 us without; V4 h64 topk 512 771-772 against 753 us (with the
+      staggered pairs of session 29, h64 topk 512 759 against 732 us). The stages in
       pairs pay off over long rows and the persistent CTAs over short ones:
       :func:`default_config` turns it on from ``topk`` :data:`HALF_STAGE_MIN_TOPK`.
     num_splits: decode: CTAs per token and head block, each taking an equal share of
@@ -182,7 +183,8 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H, topk: int | None = No
   104 and 120 gave no more). The bf16 producer only issues ``cp.async`` copies: 40
   registers; over long rows it fills each stage in halves (``half_stages``; H100 side by
   side, 2026-11-26, three machines: V3.2 0.875-0.899x, V4 h128 0.867-0.909x FlashMLA,
-  against 0.817x and 0.841x without). Transposed kernel: one consumer warpgroup takes
+  against 0.817x and 0.841x without; with warpgroup 0 leading the pairs, session 29, one
+  machine: 0.918x and 0.955x). Transposed kernel: one consumer warpgroup takes
   every stage (``consumers=1``), which frees the registers for a second producer (H100,
   interleaved medians of two runs, against two consumers and one producer at 176 / 152):
   16 heads a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16
