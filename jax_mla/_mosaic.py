@@ -435,8 +435,8 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   ``P`` (rounded to bf16 once), its accumulator and its sum to the pair's max before it
   stores that ``P`` for warpgroup 1. Without the lead (a staggered softmax alone) it
   was no faster (RESULTS.md, session 27); with ``S`` carried across the loop boundary,
-  both warpgroups ahead, it spilled 240 bytes a thread and ran 17-40% slower (the
-  same). Here no value is in flight across the loop boundary: warpgroup 0's iteration
+  both warpgroups ahead, it spilled 240 bytes a thread and ran 17-40% slower
+  (session 27). Here no value is in flight across the loop boundary: warpgroup 0's iteration
   starts with the last pair's product.
 
   Warpgroup ``h`` frees half ``h`` of a slot as soon as it has multiplied by it: its
