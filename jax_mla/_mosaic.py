@@ -436,8 +436,8 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   stores that ``P`` for warpgroup 1. Without the lead (a staggered softmax alone) it
   was no faster (RESULTS.md, session 27); with ``S`` carried across the loop boundary,
   both warpgroups ahead, it spilled 240 bytes a thread and ran 17-40% slower
-  (session 27). Here no value is in flight across the loop boundary: warpgroup 0's iteration
-  starts with the last pair's product.
+  (session 27). Here no value is in flight across the loop boundary: warpgroup 0's
+  iteration starts with the last pair's product.
 
   Warpgroup ``h`` frees half ``h`` of a slot as soon as it has multiplied by it: its
   own slot's half right after its own product, so the producer refills it while the
@@ -506,16 +506,19 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     if has_rope:
       plgpu.wgmma(s_ref, rope.at[2 + z], rope.at[w + z].transpose((1, 0)))
 
-  def scores(i, w):
-    """The masked ``S`` of stage ``i`` in slot ``w``."""
-    apply_mask = mask(i, w)
-    z = opaque_zero(i)  # descriptors derived in the loop (no hoisting, no spills)
-
+  def unmasked_scores(i, w, z):
+    """``S`` of stage ``i`` in slot ``w``, its products issued alone and waited for."""
     def qk(s_ref):
       issue_scores(i, w, s_ref, z)
       return s_ref[...]
 
-    return apply_mask(pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32)))
+    return pl.run_scoped(qk, plgpu.ACC((rows, keys), jnp.float32))
+
+  def scores(i, w):
+    """The masked ``S`` of stage ``i`` in slot ``w``."""
+    apply_mask = mask(i, w)
+    # descriptors derived in the loop (no hoisting, no spills)
+    return apply_mask(unmasked_scores(i, w, opaque_zero(i)))
 
   def multiply(acc, w, slot, p=None, after_issue=lambda: None, z=0):
     """``acc + P @ V`` over warpgroup ``w``'s half of slot ``slot``, then frees that
@@ -563,9 +566,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     z = opaque_zero(k)
 
     def alone(acc):
-      return acc, pl.run_scoped(lambda s_ref: (issue_scores(2 * k, 0, s_ref, z),
-                                               s_ref[...])[1],
-                                plgpu.ACC((rows, keys), jnp.float32))
+      return acc, unmasked_scores(2 * k, 0, z)
 
     def behind_product(acc):
       def products(refs):
@@ -624,8 +625,6 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def lead_tail(carry):
     """Warpgroup 0 after the pairs: the last pair's product by slot 1's ``P``, then an
     odd last stage (its alone)."""
-    acc, m_run, l_run = carry
-
     def last_product(acc):
       plgpu.barrier_wait(stored(1))
       return multiply(acc, 0, 1, z=opaque_zero(steps))
@@ -634,13 +633,12 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       s = scores(steps - 1, 0)
       m_new = jnp.maximum(carry[1], s.max(axis=1) * scale)
       publish(0, m_new)
-      p, carry = softmax(s, m_new, carry)
+      p, (acc, m, l_run) = softmax(s, m_new, carry)
       p = p.astype(jnp.bfloat16)
-      return multiply(carry[0], 0, 0, p, lambda: store_p(0, p), z=opaque_zero(steps)), \
-          *carry[1:]
+      return multiply(acc, 0, 0, p, lambda: store_p(0, p), z=opaque_zero(steps)), m, l_run
 
-    acc = lax.cond(steps >= 2, last_product, lambda a: a, acc)
-    return lax.cond(lax.rem(steps, 2) == 1, last_alone, lambda c: c, (acc, m_run, l_run))
+    carry = (lax.cond(steps >= 2, last_product, lambda a: a, carry[0]), *carry[1:])
+    return lax.cond(lax.rem(steps, 2) == 1, last_alone, lambda c: c, carry)
 
   def follow_tail(carry):
     """Warpgroup 1 after the pairs: an odd last stage's max and ``P``."""
