@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _inline
+from jax_mla import _inline, _softmax
 from jax_mla._common import LN2, LOG2E, cdiv, num_sms, runs_on_gpu
 
 # The transposed kernels (keys on wgmma's M side, query rows on N): the rows of a CTA.
@@ -153,7 +153,10 @@ def default_num_splits(num_tiles: int, max_blocks: int, min_blocks: int = 4) -> 
 
 def opaque_zero(i):
   """0 for every int32 ``i`` (``i (i + 1)`` is even, wrapped or not), in a form the
-  compiler cannot fold: an offset that keeps a loop-invariant address inside the loop."""
+  compiler does not fold here: an offset that keeps a loop-invariant address inside the
+  loop. Not everywhere: with ``consume_pairs`` inside a persistent CTA's items loop, LLVM
+  folded it and built every wgmma descriptor before that loop (1000 bytes of spills;
+  RESULTS.md, session 30), where an offset loaded from shared memory held."""
   return lax.bitwise_and(i * (i + 1), 1)
 
 
@@ -307,7 +310,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
       if not transposed:
         m_at(mine)[...] = m_new
         plgpu.barrier_arrive(m_ready(mine))  # the next stage's softmax may start
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+      m_use = _softmax.safe_max(m_new)
       p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [heads_dim]))
       l_at(mine)[...] = (load(l_at(mine)) * jnp.exp2(load(u_at(mine)) - m_use)
                          + p.sum(axis=keys_axis))
@@ -349,7 +352,7 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   # partial sum is brought to it (a warpgroup that computed no stage has 0 at -inf).
   last = lax.rem(steps + 1, 2)
   m = load(m_at(last))
-  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  m_use = _softmax.safe_max(m)
   l = sum(load(l_at(w)) * jnp.exp2(load(u_at(w)) - m_use) for w in range(2))
   if persistent:
     # That last max's arrival is the one nobody waited for: the other warpgroup takes
@@ -533,11 +536,9 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     release(slot, w)
     return acc
 
-  def usable(m_new):  # rows with no key yet: 0, so no (-inf) - (-inf)
-    return jnp.where(m_new == -jnp.inf, 0.0, m_new)
-
   def rescaled(m_use, m_run, acc, l_run):
-    """``(acc, l)`` brought from max ``m_run`` to ``m_use`` (the new max, :func:`usable`)."""
+    """``(acc, l)`` brought from max ``m_run`` to ``m_use`` (the new max through
+    :func:`jax_mla._softmax.safe_max`)."""
     alpha = jnp.exp2(m_run - m_use)
     return acc * bcast(alpha, acc.shape), l_run * alpha
 
@@ -545,7 +546,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     """``P`` (float32) of scores ``s`` at max ``m_new``, and the carry ``(acc, m, l)``
     brought to it, ``P``'s sum added."""
     acc, m_run, l_run = carry
-    m_use = usable(m_new)
+    m_use = _softmax.safe_max(m_new)
     p = jnp.exp2(s * scale - bcast(m_use, s.shape))
     acc, l_run = rescaled(m_use, m_run, acc, l_run)
     return p, (acc, m_new, l_run + p.sum(axis=1))
@@ -595,7 +596,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     acc = multiply(acc, 0, 0, p.astype(jnp.bfloat16), z=opaque_zero(k))
     plgpu.barrier_wait(published(1))
     m_pair = load(stats.at[1])
-    factor = jnp.exp2(m_own - usable(m_pair))  # 0 while m_own is -inf
+    factor = jnp.exp2(m_own - _softmax.safe_max(m_pair))  # 0 while m_own is -inf
     store_p(0, (p * bcast(factor, p.shape)).astype(jnp.bfloat16))
     return acc * bcast(factor, acc.shape), m_pair, l_run * factor
 
@@ -646,7 +647,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       acc, m_run, l_run = carry
       plgpu.barrier_wait(published(0))
       m_new = jnp.maximum(m_run, load(stats.at[0]))
-      acc, l_run = rescaled(usable(m_new), m_run, acc, l_run)
+      acc, l_run = rescaled(_softmax.safe_max(m_new), m_run, acc, l_run)
       plgpu.barrier_wait(stored(0))
       return multiply(acc, 1, 0, z=opaque_zero(steps)), m_new, l_run
 

@@ -1,4 +1,5 @@
-"""The online softmax of every Pallas Triton attention kernel, in one place.
+"""The online softmax of every Pallas Triton attention kernel, in one place (the Mosaic
+GPU loops, which hold their state in warpgroup layouts, share :func:`safe_max`).
 
 A kernel keeps, per query row, the running maximum ``m`` and the running sum ``l``
 of its base-2 scores (``s = q.k * sm_scale * log2(e)``, so ``exp`` is ``exp2``) and
@@ -30,6 +31,12 @@ def init(rows: int) -> tuple[jax.Array, jax.Array]:
   return jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
 
 
+def safe_max(m: jax.Array) -> jax.Array:
+  """The max a row's exponents are taken against: ``m``, or 0 where it is ``-inf`` (a
+  row with no key yet), so that no ``(-inf) - (-inf)`` arises."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
 def step(m: jax.Array, l: jax.Array, s: jax.Array, mask: jax.Array | None = None):
   """One key block: ``(m, l, alpha, p)`` after base-2 scores ``s`` float32 ``[rows, keys]``.
 
@@ -40,7 +47,7 @@ def step(m: jax.Array, l: jax.Array, s: jax.Array, mask: jax.Array | None = None
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
-  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no (-inf) - (-inf)
+  m_safe = safe_max(m_new)
   alpha = jnp.exp2(m - m_safe)
   p = jnp.exp2(s - m_safe[:, None])
   return m_new, l * alpha + jnp.sum(p, axis=1), alpha, p

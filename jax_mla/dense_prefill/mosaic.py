@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic
+from jax_mla import _mosaic, _softmax
 from jax_mla._common import LN2, LOG2E, cdiv
 from jax_mla.dense_prefill.layout import seq_info
 
@@ -316,7 +316,7 @@ def _kernel(*refs, plgpu, grad, num_seqs, num_tiles, causal, scale, sm_scale, bl
       if masked:
         s = jnp.where(visible_keys(i), s, -jnp.inf)
       m_new = jnp.maximum(m_run, s.max(axis=1) * scale)
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+      m_use = _softmax.safe_max(m_new)
       p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
       alpha = jnp.exp2(m_run - m_use)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])

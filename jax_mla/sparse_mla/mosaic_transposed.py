@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic, merge_mosaic
+from jax_mla import _mosaic, _softmax, merge_mosaic
 from jax_mla._common import LOG2E, num_sms
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
@@ -243,7 +243,7 @@ def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barrier
 
     s = apply_mask(pl.run_scoped(qk, plgpu.ACC((keys, rows), jnp.float32)))
     m_new = jnp.maximum(m, s.max(axis=0) * scale)
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # columns with no key yet
+    m_use = _softmax.safe_max(m_new)
     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [1]))
     alpha = jnp.exp2(m - m_use)  # 0 while m is -inf (the accumulators are 0 then)
     l = l * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
