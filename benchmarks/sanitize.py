@@ -55,8 +55,7 @@ def _nan_unused(rows, idx):
 def sparse_prefill(impl):
   """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads);
   topk 150 (Mosaic GPU: the index pre-pass) and 192 (the gather masks the lengths); topk
-  1024 at 128 and 64 heads (Mosaic GPU: the half-stage kernel); 16 heads over 271
-  tokens."""
+  1024 at 128 and 64 heads; 16 and 64 heads over 271 tokens."""
   rng = np.random.default_rng(0)
   for d_qk, h_q, topk in ((576, 128, 150), (512, 128, 150), (576, 24, 150), (576, 128, 192),
                           (576, 24, 192), (576, 128, 1024), (512, 64, 1024)):
@@ -68,16 +67,17 @@ def sparse_prefill(impl):
     yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
                              jnp.asarray(idx), sm_scale=d_qk ** -0.5, topk_length=lengths,
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
-  # 16 heads over more tokens than an H100 has SMs (Mosaic GPU: persistent CTAs, each
-  # taking two or three tokens, the ring and query buffers running on between them).
+  # More tokens than an H100 has SMs (Mosaic GPU: persistent CTAs, each taking two or
+  # more items of uneven length, the ring and query buffers running on between them).
   s_q, s_kv, topk = 271, 300, 192
-  idx = _bad_indices(rng, (s_q, topk), s_kv)
-  kv = _nan_unused(rng.standard_normal((s_kv, 576)).astype(np.float32) / 3, idx)
-  q = rng.standard_normal((s_q, 16, 576)) / 3
-  yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
-                           jnp.asarray(idx), sm_scale=576 ** -0.5,
-                           topk_length=jnp.asarray(rng.integers(-1, 260, s_q), jnp.int32),
-                           attn_sink=jnp.zeros((16,), jnp.float32), implementation=impl)[0]
+  for h_q in (16, 64):
+    idx = _bad_indices(rng, (s_q, topk), s_kv)
+    kv = _nan_unused(rng.standard_normal((s_kv, 576)).astype(np.float32) / 3, idx)
+    q = rng.standard_normal((s_q, h_q, 576)) / 3
+    yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
+                             jnp.asarray(idx), sm_scale=576 ** -0.5,
+                             topk_length=jnp.asarray(rng.integers(-1, 260, s_q), jnp.int32),
+                             attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
 
 
 QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1_cache,

@@ -417,7 +417,7 @@ def half_barriers(plgpu_mod, ready, free):
 
 
 def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, shared, mask,
-                  scale: float, has_rope: bool = True):
+                  scale: float, has_rope: bool = True, zero_ref=None, query_done=None):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
   with 64-row tiles (call after ``set_max_registers``).
 
@@ -485,6 +485,13 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   plgpu = plgpu_mod
   q_bar, wait_loaded, release, done_bar = barriers
   stats, handoff = shared
+  if zero_ref is None:
+    zero = opaque_zero
+  else:
+    zero = lambda i: zero_ref[0]  # noqa: E731
+  pairs, odd = lax.div(steps, 2), lax.rem(steps, 2) == 1
+  hold = query_done is not None
+  done_with_query = query_done if hold else lambda: None
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
   # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.
@@ -521,20 +528,29 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     """The masked ``S`` of stage ``i`` in slot ``w``."""
     apply_mask = mask(i, w)
     # descriptors derived in the loop (no hoisting, no spills)
-    return apply_mask(unmasked_scores(i, w, opaque_zero(i)))
+    return apply_mask(unmasked_scores(i, w, zero(i)))
 
-  def multiply(acc, w, slot, p=None, after_issue=lambda: None, z=0):
+  def multiply(acc, w, slot, p=None, after_issue=lambda: None, z=0, last=False):
     """``acc + P @ V`` over warpgroup ``w``'s half of slot ``slot``, then frees that
-    half; ``p``: bf16 registers, or None: the ``P`` stored for the slot;
-    ``after_issue`` runs while the product is in flight."""
+    half unless it is the last stage's and ``query_done`` is given; ``p``: bf16
+    registers, or None: the ``P`` stored for the slot; ``after_issue`` runs while the
+    product is in flight."""
     def pv(acc_ref):
       plgpu.wgmma(acc_ref, rope.at[p_index(slot) + z] if p is None else p,
                   k_main.at[slot + z, w])
       after_issue()
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    release(slot, w)
+    free_unless(last, slot, w)
     return acc
+
+  def free_unless(last, slot, w):
+    """Frees half ``w`` of ``slot`` unless ``last`` (traced or not) and the caller
+    holds the last stage's halves."""
+    if not hold or last is False:
+      release(slot, w)
+    elif last is not True:
+      pl.when(jnp.logical_not(last))(lambda: release(slot, w))
 
   def rescaled(m_use, m_run, acc, l_run):
     """``(acc, l)`` brought from max ``m_run`` to ``m_use`` (the new max through
@@ -564,7 +580,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     """Warpgroup 0, pair ``k``: ``(acc, masked S of stage 2k)``, the product by slot 1's
     ``P`` of pair ``k - 1`` (``k > 0``) issued first and its half freed once done."""
     apply_mask = mask(2 * k, 0)
-    z = opaque_zero(k)
+    z = zero(k)
 
     def alone(acc):
       return acc, unmasked_scores(2 * k, 0, z)
@@ -590,10 +606,11 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def lead_pair(k, carry):
     """Warpgroup 0, pair ``k``: stage ``2k`` up to its ``P`` stored at the pair's max."""
     acc, s = lead_scores(k, carry[0])
+    pl.when((k == pairs - 1) & jnp.logical_not(odd))(done_with_query)
     m_own = jnp.maximum(carry[1], s.max(axis=1) * scale)
     publish(0, m_own)
     p, (acc, _, l_run) = softmax(s, m_own, (acc, *carry[1:]))
-    acc = multiply(acc, 0, 0, p.astype(jnp.bfloat16), z=opaque_zero(k))
+    acc = multiply(acc, 0, 0, p.astype(jnp.bfloat16), z=zero(k))
     plgpu.barrier_wait(published(1))
     m_pair = load(stats.at[1])
     factor = jnp.exp2(m_own - _softmax.safe_max(m_pair))  # 0 while m_own is -inf
@@ -603,13 +620,14 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def follow_pair(k, carry):
     """Warpgroup 1, pair ``k``: stage ``2k + 1`` at the pair's max, then both products."""
     s = scores(2 * k + 1, 1)
+    pl.when(k == pairs - 1)(done_with_query)
     row_max = s.max(axis=1) * scale
     plgpu.barrier_wait(published(0))
     m_pair = jnp.maximum(load(stats.at[0]), row_max)  # warpgroup 0's is past carry's
     publish(1, m_pair)
     p, carry = softmax(s, m_pair, carry)
     p = p.astype(jnp.bfloat16)
-    z = opaque_zero(k)
+    z = zero(k)
 
     def products(acc_ref):
       plgpu.wgmma(acc_ref, p, k_main.at[1 + z, 1])
@@ -617,7 +635,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       plgpu.barrier_wait(stored(0))
       plgpu.wgmma(acc_ref, rope.at[p_index(0) + z], k_main.at[z, 1])
       plgpu.wgmma_wait(1)
-      release(1, 1)
+      free_unless((k == pairs - 1) & jnp.logical_not(odd), 1, 1)
 
     acc = pl.run_state(products)(plgpu.ACC.init(carry[0]))
     release(0, 1)
@@ -628,18 +646,20 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     odd last stage (its alone)."""
     def last_product(acc):
       plgpu.barrier_wait(stored(1))
-      return multiply(acc, 0, 1, z=opaque_zero(steps))
+      return multiply(acc, 0, 1, z=zero(steps), last=jnp.logical_not(odd))
 
     def last_alone(carry):
       s = scores(steps - 1, 0)
+      done_with_query()
       m_new = jnp.maximum(carry[1], s.max(axis=1) * scale)
       publish(0, m_new)
       p, (acc, m, l_run) = softmax(s, m_new, carry)
       p = p.astype(jnp.bfloat16)
-      return multiply(acc, 0, 0, p, lambda: store_p(0, p), z=opaque_zero(steps)), m, l_run
+      return (multiply(acc, 0, 0, p, lambda: store_p(0, p), z=zero(steps), last=True), m,
+              l_run)
 
     carry = (lax.cond(steps >= 2, last_product, lambda a: a, carry[0]), *carry[1:])
-    return lax.cond(lax.rem(steps, 2) == 1, last_alone, lambda c: c, carry)
+    return lax.cond(odd, last_alone, lambda c: c, carry)
 
   def follow_tail(carry):
     """Warpgroup 1 after the pairs: an odd last stage's max and ``P``."""
@@ -649,15 +669,16 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       m_new = jnp.maximum(m_run, load(stats.at[0]))
       acc, l_run = rescaled(_softmax.safe_max(m_new), m_run, acc, l_run)
       plgpu.barrier_wait(stored(0))
-      return multiply(acc, 1, 0, z=opaque_zero(steps)), m_new, l_run
+      return multiply(acc, 1, 0, z=zero(steps), last=True), m_new, l_run
 
-    return lax.cond(lax.rem(steps, 2) == 1, last_other, lambda c: c, carry)
+    pl.when(steps == 1)(done_with_query)  # warpgroup 1 computed no S
+    return lax.cond(odd, last_other, lambda c: c, carry)
 
   plgpu.barrier_wait(q_bar)
   carry = (wgmma_zeros((rows, half)),
            plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row),
            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row))
-  carry = lax.fori_loop(0, lax.div(steps, 2), lambda k, c: lax.cond(
+  carry = lax.fori_loop(0, pairs, lambda k, c: lax.cond(
       wg == 0, functools.partial(lead_pair, k), functools.partial(follow_pair, k), c), carry)
   acc, m, l_own = lax.cond(wg == 0, lead_tail, follow_tail, carry)
   # Both warpgroups end at the same max (-inf with no stage); their sums add.

@@ -110,7 +110,8 @@ def test_sinks(d_qk, h_q):
   _check(q, kv, idx, attn_sink=jnp.asarray(sink), topk_length=lengths)
 
 
-HALF_STAGES = mosaic.Config(consumer_registers=232, producer_registers=40, half_stages=True)
+HALF_STAGES = mosaic.Config(consumer_registers=208, producer_registers=88, half_stages=True)
+WHOLE_STAGES = mosaic.Config(consumer_registers=232, producer_registers=40)
 
 
 # name: (s_q, d_qk, topk, lengths and sinks given, rows 1 and 3 wholly invalid)
@@ -124,13 +125,15 @@ HALF_STAGE_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("halves", [True, False])
 @pytest.mark.parametrize("h_q", [128, 64])
 @pytest.mark.parametrize("case", list(HALF_STAGE_CASES))
-def test_half_stages(case, h_q):
-  """``Config.half_stages`` (the pair loop over per-half stages; two head blocks a
-  token, or one) against the reference: invalid indices and NaN in unused rows, a
-  one-key and a partial step, lengths from -3 to past topk with +-inf sinks, whole rows
-  invalid, more tokens than SMs."""
+def test_half_stages(case, h_q, halves):
+  """``Config.half_stages`` (the pair loop over per-half stages, prefill's default), and
+  whole stages (bf16 decode's loop), with two head blocks a token or one, against the
+  reference: invalid indices and NaN in unused rows, a one-key and a partial step,
+  lengths from -3 to past topk with +-inf sinks, whole rows invalid, more tokens than
+  SMs."""
   s_q, d_qk, topk, with_lengths, all_invalid = HALF_STAGE_CASES[case]
   rng = np.random.default_rng(len(case) + topk + h_q)
   q, kv, idx = _case(rng, s_q, h_q, d_qk, S_KV, topk)
@@ -143,18 +146,17 @@ def test_half_stages(case, h_q):
     sink = rng.standard_normal(h_q).astype(np.float32)
     sink[::3], sink[1::3] = np.inf, -np.inf
     kw = {"topk_length": jnp.asarray(lengths, jnp.int32), "attn_sink": jnp.asarray(sink)}
-  _check(q, kv, idx, config=HALF_STAGES, **kw)
+  _check(q, kv, idx, config=HALF_STAGES if halves else WHOLE_STAGES, **kw)
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
 def test_half_stages_lower(d_qk):
   """The half-stage prefill kernel lowers for CUDA (two head blocks a token, or one),
-  its copies arriving on the halves' mbarriers; without the option the kernel is the
-  persistent one. Runs without a GPU."""
+  its copies arriving on the halves' mbarriers; without the option, on whole stages.
+  Runs without a GPU."""
   s = jax.ShapeDtypeStruct
-  persistent = mosaic.Config(consumer_registers=232, producer_registers=40)
   for h_q, config, halves in ((128, HALF_STAGES, True), (64, HALF_STAGES, True),
-                              (64, persistent, False)):
+                              (64, WHOLE_STAGES, False)):
     lowered = lowers_for_cuda(
         lambda q, kv, idx, lens, config=config: mosaic.sparse_prefill(
             q, kv, idx, None, lens, sm_scale=0.1, config=config),
@@ -421,13 +423,9 @@ def test_rejects_interpret():
 
 
 def test_config_register_rule():
-  assert mosaic.default_config(None) == mosaic.Config(consumer_registers=232,
-                                                      producer_registers=40)
-  # bf16 prefill over long rows: the stages arrive in halves; short rows, persistent CTAs.
-  assert mosaic.default_config(None, 128, topk=mosaic.HALF_STAGE_MIN_TOPK).half_stages
-  assert mosaic.default_config(None, 64, topk=2048).half_stages
-  assert not mosaic.default_config(None, 128, topk=512).half_stages
-  assert not mosaic.default_config(None, 128).half_stages
+  # bf16 prefill: the stages arrive in halves; bf16 decode rows: whole stages.
+  assert mosaic.default_config(None) == HALF_STAGES
+  assert mosaic.default_config(resolve("auto"), 128) == WHOLE_STAGES
   with pytest.raises(ValueError, match="504 or the kernel hangs"):
     mosaic.Config(consumer_registers=224, producer_registers=64)
   with pytest.raises(ValueError, match="num_stages"):

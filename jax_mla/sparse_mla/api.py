@@ -113,12 +113,11 @@ def _implementation(q, implementation: Implementation, interpret: bool,
   return impl
 
 
-def _config(config, impl: str, fmt: Format | None, h_q: int, topk: int | None = None):
-  """The backend's ``Config``: the user's, or the heuristic (``topk``: prefill's keys a
-  token); the reference takes none."""
+def _config(config, impl: str, fmt: Format | None, h_q: int):
+  """The backend's ``Config``: the user's, or the heuristic; the reference takes none."""
   return backend_config(
       impl, config,
-      mosaic=(mosaic.Config, lambda cfg: cfg or mosaic.default_config(fmt, h_q, topk)),
+      mosaic=(mosaic.Config, lambda cfg: cfg or mosaic.default_config(fmt, h_q)),
       triton=(triton.Config, lambda cfg: cfg or triton.default_config(decode=fmt is not None)))
 
 
@@ -189,7 +188,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_sc
   topk_length = _lengths("topk_length", topk_length, s_q)
   sm_scale = _sm_scale(sm_scale)
   impl = _implementation(q, implementation, interpret)
-  config = _config(config, impl, None, h_q, topk=indices.shape[1])
+  config = _config(config, impl, None, h_q)
   _check_length_values(checks, "topk_length", topk_length, indices.shape[1])
   if s_q == 0:  # no token: nothing to run (a kernel's grid would be empty); zero gradients
     return (jnp.zeros((0, h_q, d_v), jnp.bfloat16), jnp.zeros((0, h_q), jnp.float32),

@@ -16,12 +16,13 @@ stages in turns:
   (:func:`jax_mla._mosaic.consume_stages`). With ``Config.pair`` the two head blocks
   of a token (``h_q`` a multiple of 128, quantized caches) run as a 2-CTA cluster and
   split each step's gather between their producers. With ``Config.half_stages`` (bf16
-  prefill; by default at ``topk`` 1024 and up) the consumers take the stages in pairs
-  instead (:func:`jax_mla._mosaic.consume_pairs`), each stage arriving in two halves.
-  Otherwise (and with one split) the CTAs are persistent, one per SM, taking
-  (token, head block) items one after another: the producer gathers an item's first
-  stage while the consumers still finish the last item, then loads the item's query
-  once the last output has left the query's SMEM (its staging).
+  prefill, the default there) the consumers take the stages in pairs instead
+  (:func:`jax_mla._mosaic.consume_pairs`), each stage arriving in two halves. Without a
+  pair and with one split the CTAs are persistent, one per SM, taking (token, head
+  block) items one after another: the producer gathers an item's first stage while the
+  consumers still finish the last item, then loads the item's query once the
+  consumers are done with the last one's (with half stages, after their last ``S``;
+  otherwise once the output has left the query's SMEM, its staging).
 - ``h_q`` up to 32 (:mod:`.mosaic_transposed`): a CTA takes a token with the keys on
   the wgmma M side (``S^T = K Q^T``, ``O^T = V^T P^T``), so no tensor-core row is
   spent on a head that is not there; at up to 16 heads the CTAs are persistent, one
@@ -79,12 +80,6 @@ BLOCK_H = 64  # query heads per CTA: one wgmma M
 # The fewest key steps a decode split keeps (H200, fp8_ds_mla h128 topk 2048, s_q 1: at
 # b 1 and 4, 16 splits of 2 steps 42-44 us, 8 of 4 steps 48-49 us, one split 128 us).
 MIN_SPLIT_STEPS = 2
-# bf16 prefill: from this many keys a token, the half-stage kernel (Config.half_stages)
-# is the faster one (H100, V4 shapes, s_q 4096, medians of 3 rounds, persistent / half
-# stages: h 64 topk 512 748-758 / 767-770 us, 1024 1377-1512 / 1285-1324, 2048
-# 2580-2655 / 2309-2364; h 128 topk 256 856-872 / 953-958, 512 1413-1696 / 1397-1432,
-# 1024 2645-2718 / 2356-2480).
-HALF_STAGE_MIN_TOPK = 1024
 
 
 def register_budget(producers: int, consumers: int = 2) -> int:
@@ -121,12 +116,11 @@ class Config:
     half_stages: bf16 prefill on the head-block kernel: the consumers take the
       stages in pairs (:func:`jax_mla._mosaic.consume_pairs`) and the producer fills
       each stage in two halves that arrive on their own barriers as the copies land
-      (:func:`.mosaic_gather.produce_halves`, FlashMLA's sm90 sparse prefill schedule);
-      not persistent. H100: prefill V3.2 4688-4715 us and V4 h128 2372-2394 us against
-      5295 and 2684 us without; V4 h64 topk 512 771-772 against 753 us (with the
-      staggered pairs of session 29, h64 topk 512 759 against 732 us). The stages in
-      pairs pay off over long rows and the persistent CTAs over short ones:
-      :func:`default_config` turns it on from ``topk`` :data:`HALF_STAGE_MIN_TOPK`.
+      (:func:`.mosaic_gather.produce_halves`, FlashMLA's sm90 sparse prefill schedule).
+      Each consumer stages its output in its half of the last stage's slot and frees
+      the query after its last ``S``, so a persistent CTA loads the next item's query
+      and first stage while the last item finishes. On by default for prefill (H100
+      figures at :func:`default_config`).
     num_splits: decode: CTAs per token and head block, each taking an equal share of
       the token's key steps; the parts are combined by
       :func:`jax_mla.merge_mosaic.combine` (a second Mosaic GPU kernel). None picks
@@ -170,21 +164,28 @@ def transposed(h_q: int) -> bool:
   return h_q % BLOCK_H != 0 and h_q <= _mosaic.TRANSPOSED_MAX_ROWS
 
 
-def default_config(fmt: Format | None, h_q: int = BLOCK_H, topk: int | None = None
-                   ) -> Config:
+def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   """The register split for rows of ``fmt`` (``None``: prefill's bf16 rows; a decode's
   main set decides for its extra set, which is quantized too when the main set is) and
-  ``h_q`` heads; bf16 prefill with ``topk`` (keys a token) of at least
-  :data:`HALF_STAGE_MIN_TOPK` on the head-block kernel: ``half_stages``.
+  ``h_q`` heads; bf16 prefill on the head-block kernel: ``half_stages``.
 
   The producers are latency-bound. Head-block kernel (``h_q`` a multiple of 64): the
   consumers hold a 64 x 256 float32 accumulator; at 88 registers the fp8 producer keeps
   more rows' loads in flight than at 56 (H100, fp8_ds_mla b128 row: 269 vs 210 TFLOP/s;
   104 and 120 gave no more). The bf16 producer only issues ``cp.async`` copies: 40
-  registers; over long rows it fills each stage in halves (``half_stages``; H100 side by
-  side, 2026-11-26, three machines: V3.2 0.875-0.899x, V4 h128 0.867-0.909x FlashMLA,
-  against 0.817x and 0.841x without; with warpgroup 0 leading the pairs, session 29, one
-  machine: 0.918x and 0.955x). Transposed kernel: one consumer warpgroup takes
+  registers for bf16 decode rows. Prefill fills each stage in halves (``half_stages``;
+  H100 side by side, 2026-11-26, three machines: V3.2 0.875-0.899x, V4 h128
+  0.867-0.909x FlashMLA, against 0.817x and 0.841x without; with warpgroup 0 leading the
+  pairs, session 29, one machine: 0.918x and 0.955x), now in persistent CTAs, at 208 /
+  88: the producer tracks the ring across items and fills the next item's first stage
+  out of order (session 31, H100, s_q 4096, interleaved A/Bs against the persistent
+  kernel without halves: h 64 topk 128 346 / 387 vs 458 / 490 us, 256 442 / 452 vs 494
+  / 509, 512 719 / 681 vs 789 / 762; h 128 topk 256 762 / 797 vs 910 / 906, 512 1282 /
+  1271 vs 1450 / 1417; against the non-persistent half stages: h 64 topk 1024 1206 /
+  1193 vs 1199 / 1177, 2048 2230-2274 vs 2099-2175, slower; h 128 topk 1024 2272 vs
+  2300, V3.2 4508 / 4594 vs 4642 / 4497. At 232 / 40 its producer spills 392 bytes, at
+  216 / 72 100 bytes, at 208 / 88 16 bytes: h 64 topk 512 734 / 735 us at 216 / 72).
+  Transposed kernel: one consumer warpgroup takes
   every stage (``consumers=1``), which frees the registers for a second producer (H100,
   interleaved medians of two runs, against two consumers and one producer at 176 / 152):
   16 heads a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16
@@ -218,8 +219,9 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H, topk: int | None = No
     if pair and isinstance(fmt, Model1):
       return Config(consumer_registers=216, producer_registers=72, pair=True)
     return Config(consumer_registers=208, producer_registers=88, pair=pair)
-  return Config(consumer_registers=232, producer_registers=40,
-                half_stages=topk is not None and topk >= HALF_STAGE_MIN_TOPK)
+  if fmt is None:
+    return Config(consumer_registers=208, producer_registers=88, half_stages=True)
+  return Config(consumer_registers=232, producer_registers=40)
 
 
 def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
@@ -259,6 +261,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     # The halves' mbarriers, hand-rolled (cp.async arrives on them), in valid's spare
     # row 2: an allocation of their own takes a 1 KiB block, and 928 bytes are left.
     loaded = lambda part: valid.at[2, pl.ds(2 * part, 2)]  # noqa: E731
+    valid[3, 0] = jnp.int32(0)
     init_halves(plgpu, valid.at[2])
   wg = lax.axis_index("wg")
   blocks = h_q // BLOCK_H
@@ -279,7 +282,15 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     return h * BLOCK_H, request, first, base
 
   def for_each_item(body):
-    run_items(body, persistent=persistent, tokens=tokens, blocks=blocks // (1 + pair))
+    # The ring's state after an item: its steps so far, or with halves how often each
+    # slot was filled (stage i of an item goes into slot i % 2).
+    run_items(body, persistent=persistent, tokens=tokens, blocks=blocks // (1 + pair),
+              ring=(0, 0) if halves else 0)
+
+  def ring_after(ring, steps):
+    if halves:
+      return ring[0] + lax.div(steps + 1, 2), ring[1] + lax.div(steps, 2)
+    return ring + steps
 
   @pl.when(wg < 2)
   def _consumer():
@@ -296,11 +307,14 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
       return apply
 
-    def wait_loaded(i, slot, half):  # stage i is slot's (i // 2)-th use
-      bar = loaded(_mosaic.half_part(slot, half))
-      parity = lax.rem(lax.div(i, 2), 2)
-      for p in range(2):
-        pl.when(parity == p)(lambda p=p: wait_half(plgpu, bar, p))
+    def loaded_after(uses):
+      def wait_loaded(i, slot, half):  # stage i is slot's (uses[slot] + i // 2)-th fill
+        bar = loaded(_mosaic.half_part(slot, half))
+        parity = lax.rem(uses[slot] + lax.div(i, 2), 2)
+        for p in range(2):
+          pl.when(parity == p)(lambda p=p: wait_half(plgpu, bar, p))
+
+      return wait_loaded
 
     def release(slot, half):
       plgpu.barrier_arrive(free_bar.at[_mosaic.half_part(slot, half)])
@@ -313,8 +327,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       if halves:
         acc, m, l = _mosaic.consume_pairs(
             plgpu, wg=wg, q_main=q_main, k_main=kv_main, rope=kv_rope, has_rope=has_rope,
-            steps=first[-1], barriers=(q_bar, wait_loaded, release, done_bar),
-            shared=(p_stats, p_ready), mask=mask, scale=scale)
+            steps=first[-1], barriers=(q_bar, loaded_after(ring_start), release, done_bar),
+            shared=(p_stats, p_ready), mask=mask, scale=scale,
+            zero_ref=valid.at[3, pl.ds(0, 1)], query_done=lambda: plgpu.barrier_arrive(q_free))
       else:
         acc, m, l = _mosaic.consume_stages(
             plgpu, wg=wg, q_main=q_main, q_rope=q_rope if has_rope else None, k_main=kv_main,
@@ -325,38 +340,53 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, _mosaic.row_layout(plgpu))
       inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
       rows = pl.ds(out_r0, BLOCK_H)
-      # Both consumers are done with Q: its halves become the output staging.
-      q_main.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
-          q_main.dtype)
+      out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
-      @pl.when(wg == 0)
-      def _():
-        stats.at[0][...] = max_logits
+      def store(staging):
+        staging[...] = out
 
-      @pl.when(wg == 1)
-      def _():
-        stats.at[1][...] = lse
+        @pl.when(wg == 0)
+        def _():
+          stats.at[0][...] = max_logits
 
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_main.at[wg], o_ref.at[rows, pl.ds(wg * HALF, HALF)])
+        @pl.when(wg == 1)
+        def _():
+          stats.at[1][...] = lse
 
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[rows])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(staging, o_ref.at[rows, pl.ds(wg * HALF, HALF)])
 
-      @pl.when(wg == 1)
-      def _():
-        if not direct_lse:
-          plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
-        else:
-          store_decode_lse(plgpu, stats.at[1], lse_ref, t=t, h0=h0, count=BLOCK_H,
-                           query_len=query_len)
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[rows])
 
-      if persistent:  # the next query may land once the output has left its SMEM
+        @pl.when(wg == 1)
+        def _():
+          if not direct_lse:
+            plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
+          else:
+            store_decode_lse(plgpu, stats.at[1], lse_ref, t=t, h0=h0, count=BLOCK_H,
+                             query_len=query_len)
+
+      steps = first[-1]
+      if halves:
+        # The output is staged in this warpgroup's half of the last stage's slot, which
+        # consume_pairs left held, so the next query loads while this item finishes.
+        # Without a stage, in the query's SMEM (nothing read it).
+        last = lax.rem(steps + 1, 2)
+        pl.when(steps > 0)(lambda: store(kv_main.at[last, wg]))
+        pl.when(steps == 0)(lambda: store(q_main.at[wg]))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(q_free)
-      plgpu.wait_smem_to_gmem(0)
-      return first[-1]
+        pl.when(steps > 0)(lambda: release(last, wg))
+        pl.when(steps == 0)(lambda: plgpu.barrier_arrive(q_free))
+      else:
+        # Both consumers are done with Q: its halves become the output staging.
+        store(q_main.at[wg])
+        if persistent:  # the next query may land once the output has left its SMEM
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.barrier_arrive(q_free)
+        plgpu.wait_smem_to_gmem(0)
+      return ring_after(ring_start, first[-1])
 
     for_each_item(consume)
 
@@ -371,20 +401,21 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       if has_rope:
         q_copies.append((q_ref.at[rows, pl.ds(D_MAIN, d_qk - D_MAIN)],
                          kv_rope.at[2] if halves else q_rope))
-      # A persistent CTA's next query waits until the last item's output has left its SMEM.
+      # A persistent CTA's next query waits until its SMEM is free: the last item's output
+      # has left it, or with halves, the consumers computed their last S.
       q_gate = (None if q_free is None
                 else lambda: pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free)))
       if halves:
         produce_halves(plgpu, t=t, q_copies=q_copies, gather=gathers[0], idx_ref=idx_refs[0],
                        kv_ref=kv_refs[0], len_ref=len_ref, kv_main=kv_main, kv_rope=kv_rope,
                        valid=valid, barriers=(q_bar, loaded, free_bar, valid_bar),
-                       first=first, request=request)
-        return first[-1]
+                       first=first, request=request, uses=ring_start, q_gate=q_gate)
+        return ring_after(ring_start, first[-1])
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
               len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
               barriers=(q_bar, kv_bar, free_bar), first=first, base=base, request=request,
               pair=pair_bars[0] if pair else None, ring_start=ring_start, q_gate=q_gate)
-      return first[-1]
+      return ring_after(ring_start, first[-1])
 
     for_each_item(gather)
 
@@ -451,7 +482,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   q_copies = 2 + (d_qk > D_MAIN)  # NoPE halves, RoPE
   # Without a pair or splits, one CTA per SM takes item after item: the producer
   # gathers the next item's first stage while the consumers finish the last one.
-  persistent = not pair and num_splits == 1 and not halves
+  persistent = not pair and num_splits == 1
   items = tokens * (h_q // BLOCK_H)
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
@@ -485,7 +516,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   grid = ({"grid": (tokens, h_q // BLOCK_H // 2), "grid_names": ("t", "h"), "cluster": (2,),
            "cluster_names": ("c",)} if pair
           else {"grid": (tokens, num_splits, h_q // BLOCK_H), "grid_names": ("t", "s", "h")}
-          if num_splits > 1 or halves
+          if num_splits > 1
           else {"grid": (min(items, num_sms()),), "grid_names": ("p",)})
   out, max_logits, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,

@@ -336,7 +336,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
 
 
 def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_main, kv_rope,
-                   valid, barriers, first, request):
+                   valid, barriers, first, request, uses, q_gate):
   """The producer for :func:`jax_mla._mosaic.consume_pairs` over one bf16 key set (call
   after ``set_max_registers``): stage ``i`` goes into slot ``i % 2`` in two halves, in
   the order the consumers free them (:data:`jax_mla._mosaic.PAIR_FILL_ORDER`),
@@ -348,10 +348,15 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
   ``gather``: the set's two :func:`gather_fn` halves; ``barriers``: ``(q_bar, loaded,
   free, valid_bar)``: the query; ``loaded(part)``, the SMEM ``[2]`` 32-bit row of a
   half's hand-rolled mbarrier (:func:`init_halves`); four per-half free barriers; one
-  per slot for its validity row. ``valid``: SMEM int32, a row per slot. Other arguments
-  as :func:`produce`'s for one set and one producer.
+  per slot for its validity row. ``valid``: SMEM int32, a row per slot. The CTA is
+  persistent: ``uses``, how often each slot was filled for its earlier items;
+  ``q_gate``, a function that waits until the query's SMEM is free (the consumers free
+  the query after their last ``S``, and the last stage's slot once their output has
+  left it, so the item's first stage is filled before its second). Other arguments as
+  :func:`produce`'s for one set and one producer.
   """
   q_bar, loaded, free, valid_bar = barriers
+  q_gate()
   for src, dst in q_copies:
     plgpu.copy_gmem_to_smem(src, dst, q_bar)
   swizzled_ref = plgpu.RefType(_mosaic.swizzled(plgpu))
@@ -362,13 +367,14 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
   halves = [plgpu.inline_mgpu(arg_types=arg_types)(g) for g in gather]
   steps = first[-1]
 
-  def unit(i, h):
-    slot = lax.rem(i, 2)
+  def unit(k, slot, h):
+    """Half ``h`` of stage ``2k + slot``."""
+    i = 2 * k + slot
     part = _mosaic.half_part(slot, h)
 
     @pl.when(i < steps)
     def _():
-      pl.when(i >= 2)(lambda: plgpu.barrier_wait(free.at[part]))
+      pl.when(uses[slot] + k >= 1)(lambda: plgpu.barrier_wait(free.at[part]))
       step_idx = idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
       where = ((step_idx, idx_ref.at[t, pl.ds(0, BLOCK_K)],
                 len_ref.at[gather[0].length_row, pl.ds(request, 1)]) if masked else ())
@@ -378,11 +384,14 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
         plgpu.commit_smem()
         plgpu.barrier_arrive(valid_bar.at[slot])
 
-  @pl.loop(0, lax.div(steps + 1, 2))
+  # The last item's last slot is freed last: stage 0 first.
+  for slot, h in ((0, 0), (0, 1), (1, 1), (1, 0)):
+    unit(jnp.int32(0), slot, h)  # traced: stage 1 may be past the indices
+
+  @pl.loop(1, lax.div(steps + 1, 2))
   def _(k):
-    stages = 2 * k, 2 * k + 1
-    for j, h in _mosaic.PAIR_FILL_ORDER:
-      unit(stages[j], h)
+    for slot, h in _mosaic.PAIR_FILL_ORDER:
+      unit(k, slot, h)
 
 
 def init_halves(plgpu, bar_ref):
@@ -422,21 +431,23 @@ def wait_half(plgpu, bar_ref, parity: int):
   plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(body)(bar_ref)
 
 
-def run_items(body, *, persistent: bool, tokens: int, blocks: int):
-  """Runs ``body(k, t, h, ring_start)`` for this CTA's items: its ``k``-th (token ``t``,
-  head block ``h``), after ``ring_start`` ring steps of its earlier items (``body``
-  returns its item's steps). One item (grid axes ``"t"``, ``"h"``), or with
-  ``persistent`` items ``p, p + ctas, ...`` of the ``tokens * blocks`` (axis ``"p"``)."""
+def run_items(body, *, persistent: bool, tokens: int, blocks: int, ring=0):
+  """Runs ``body(k, t, h, ring)`` for this CTA's items: its ``k``-th (token ``t``, head
+  block ``h``), ``ring`` the state of the stage ring after its earlier items (``ring``
+  given here for the first; ``body`` returns it after its own, a pytree of int32: the
+  ring steps so far, say). One item (grid axes ``"t"``, ``"h"``), or with ``persistent``
+  items ``p, p + ctas, ...`` of the ``tokens * blocks`` (axis ``"p"``)."""
   if not persistent:
-    body(0, lax.axis_index("t"), lax.axis_index("h"), 0)
+    body(0, lax.axis_index("t"), lax.axis_index("h"), ring)
     return
   ctas, me = lax.axis_size("p"), lax.axis_index("p")
 
-  def one(k, ring_start):
+  def one(k, ring):
     w = me + k * ctas
-    return ring_start + body(k, lax.div(w, blocks), lax.rem(w, blocks), ring_start)
+    return body(k, lax.div(w, blocks), lax.rem(w, blocks), ring)
 
-  lax.fori_loop(0, lax.div(tokens * blocks - me + ctas - 1, ctas), one, jnp.int32(0))
+  lax.fori_loop(0, lax.div(tokens * blocks - me + ctas - 1, ctas), one,
+                jax.tree.map(jnp.int32, ring))
 
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,

@@ -173,7 +173,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
         finish(t, h, q, [(wg, acc)], m, l)
       if persistent:  # a later item's query may land in this buffer (the output staging)
         plgpu.barrier_arrive(q_free.at[b])
-      return first[-1]
+      return ring_start + first[-1]
 
     for_each_item(consume)
 
@@ -201,7 +201,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
                 valid=valid, barriers=(q_bar.at[b], kv_bar, free_bar), first=first, base=base,
                 request=request, producer=p, producers=config.producers,
                 ring_start=ring_start)
-        return first[-1]
+        return ring_start + first[-1]
 
       for_each_item(gather)
 
