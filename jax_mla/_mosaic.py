@@ -489,9 +489,11 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     zero = opaque_zero
   else:
     zero = lambda i: zero_ref[0]  # noqa: E731
-  pairs, odd = lax.div(steps, 2), lax.rem(steps, 2) == 1
   hold = query_done is not None
-  done_with_query = query_done if hold else lambda: None
+
+  def done_with_query(when=True):
+    if hold:
+      pl.when(when)(query_done)
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
   # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.
@@ -606,7 +608,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def lead_pair(k, carry):
     """Warpgroup 0, pair ``k``: stage ``2k`` up to its ``P`` stored at the pair's max."""
     acc, s = lead_scores(k, carry[0])
-    pl.when((k == pairs - 1) & jnp.logical_not(odd))(done_with_query)
+    done_with_query((k == pairs - 1) & jnp.logical_not(odd))
     m_own = jnp.maximum(carry[1], s.max(axis=1) * scale)
     publish(0, m_own)
     p, (acc, _, l_run) = softmax(s, m_own, (acc, *carry[1:]))
@@ -620,7 +622,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def follow_pair(k, carry):
     """Warpgroup 1, pair ``k``: stage ``2k + 1`` at the pair's max, then both products."""
     s = scores(2 * k + 1, 1)
-    pl.when(k == pairs - 1)(done_with_query)
+    done_with_query(k == pairs - 1)
     row_max = s.max(axis=1) * scale
     plgpu.barrier_wait(published(0))
     m_pair = jnp.maximum(load(stats.at[0]), row_max)  # warpgroup 0's is past carry's
@@ -671,13 +673,14 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       plgpu.barrier_wait(stored(0))
       return multiply(acc, 1, 0, z=zero(steps), last=True), m_new, l_run
 
-    pl.when(steps == 1)(done_with_query)  # warpgroup 1 computed no S
+    done_with_query(steps == 1)  # warpgroup 1 computed no S
     return lax.cond(odd, last_other, lambda c: c, carry)
 
   plgpu.barrier_wait(q_bar)
   carry = (wgmma_zeros((rows, half)),
            plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row),
            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row))
+  pairs, odd = lax.div(steps, 2), lax.rem(steps, 2) == 1
   carry = lax.fori_loop(0, pairs, lambda k, c: lax.cond(
       wg == 0, functools.partial(lead_pair, k), functools.partial(follow_pair, k), c), carry)
   acc, m, l_own = lax.cond(wg == 0, lead_tail, follow_tail, carry)
