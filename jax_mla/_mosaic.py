@@ -456,7 +456,10 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   Every wgmma operand is viewed at an :func:`opaque_zero` offset of the loop index:
   the ring slots are static per code path here, so LLVM would hoist all the
   descriptors out of the loop and ptxas would spill them (480 bytes a thread, 1.55x
-  slower; with the offsets 12 bytes: RESULTS.md, sessions 20 and 26).
+  slower; with the offsets 12 bytes: RESULTS.md, sessions 20 and 26). In a persistent
+  kernel's item loop LLVM folded those offsets and built every descriptor before the
+  loop (1000 bytes of spills, 1.5-1.9x slower: session 30); there ``zero_ref`` gives
+  the offset as a load from SMEM, which it cannot fold.
 
   Args:
     wg: this consumer's index (``lax.axis_index("wg")``).
@@ -475,10 +478,17 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       stage is waited for, so work that does not read the stage overlaps the wait; it
       returns the function that sets the float32 scores of absent keys to ``-inf``.
     scale: the softmax scale times ``log2(e)``.
+    zero_ref: None, or a one-element int32 SMEM ref holding 0: the wgmma offset.
+    query_done: None, or a function each warpgroup calls once it has computed its last
+      ``S`` (at once with no stage of its own): it then no longer reads the query's
+      SMEM, and keeps its half of the last stage's slot unreleased, for the caller
+      to stage its output in and free (a persistent kernel loads the next query
+      meanwhile).
 
   Returns:
     ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
-    may then stage the output, as may row 0 of ``stats``: the float32 accumulator
+    may then stage the output (without ``query_done``), as may row 0 of ``stats``: the
+    float32 accumulator
     ``[64, 256]``, the row max (scaled base-2 units) and sum. Finish with
     :func:`empty_rows`.
   """
@@ -494,6 +504,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def done_with_query(when=True):
     if hold:
       pl.when(when)(query_done)
+
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
   # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.

@@ -261,7 +261,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     # The halves' mbarriers, hand-rolled (cp.async arrives on them), in valid's spare
     # row 2: an allocation of their own takes a 1 KiB block, and 928 bytes are left.
     loaded = lambda part: valid.at[2, pl.ds(2 * part, 2)]  # noqa: E731
-    valid[3, 0] = jnp.int32(0)
+    valid[3, 0] = jnp.int32(0)  # consume_pairs' zero_ref: an offset LLVM cannot fold
     init_halves(plgpu, valid.at[2])
   wg = lax.axis_index("wg")
   blocks = h_q // BLOCK_H
