@@ -110,7 +110,7 @@ def test_sinks(d_qk, h_q):
   _check(q, kv, idx, attn_sink=jnp.asarray(sink), topk_length=lengths)
 
 
-HALF_STAGES = mosaic.Config(consumer_registers=208, producer_registers=88, half_stages=True)
+HALF_STAGES = mosaic.Config(consumer_registers=200, producer_registers=104, half_stages=True)
 WHOLE_STAGES = mosaic.Config(consumer_registers=232, producer_registers=40)
 
 

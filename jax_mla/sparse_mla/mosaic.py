@@ -176,17 +176,19 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
   registers for bf16 decode rows. Prefill fills each stage in halves (``half_stages``;
   H100 side by side, 2026-11-26, three machines: V3.2 0.875-0.899x, V4 h128
   0.867-0.909x FlashMLA, against 0.817x and 0.841x without; with warpgroup 0 leading the
-  pairs, session 29, one machine: 0.918x and 0.955x), now in persistent CTAs, at 208 /
-  88: the producer tracks the ring across items and fills the next item's first stage
-  out of order (session 31, H100, s_q 4096, interleaved A/Bs against the persistent
-  kernel without halves: h 64 topk 128 346 / 387 vs 458 / 490 us, 256 442 / 452 vs 494
-  / 509, 512 719 / 681 vs 789 / 762; h 128 topk 256 762 / 797 vs 910 / 906, 512 1282 /
-  1271 vs 1450 / 1417; against the non-persistent half stages: h 64 topk 1024 1206 /
-  1193 vs 1199 / 1177, 2048 2230-2274 vs 2099-2175, slower; h 128 topk 1024 2272 vs
-  2300, V3.2 4508 / 4594 vs 4642 / 4497. At 232 / 40 its producer spills 392 bytes, at
-  216 / 72 100 bytes, at 208 / 88 16 bytes: h 64 topk 512 734 / 735 us at 216 / 72).
-  Transposed kernel: one consumer warpgroup takes
-  every stage (``consumers=1``), which frees the registers for a second producer (H100,
+  pairs, session 29, one machine: 0.918x and 0.955x), now in persistent CTAs: the
+  producer tracks the ring across items and fills the next item's first stage out of
+  order (session 31, H100, s_q 4096, interleaved A/Bs at 208 / 88 against the
+  persistent kernel without halves: h 64 topk 128 346 / 387 vs 458 / 490 us, 256 442 /
+  452 vs 494 / 509, 512 719 / 681 vs 789 / 762; h 128 topk 256 762 / 797 vs 910 / 906,
+  512 1282 / 1271 vs 1450 / 1417; against the non-persistent half stages: h 64 topk
+  1024 1206 / 1193 vs 1199 / 1177, 2048 2230-2274 vs 2099-2175, slower; h 128 topk
+  1024 2272 vs 2300, V3.2 4508 / 4594 vs 4642 / 4497). Its producer spills 392 bytes
+  at 232 / 40, 100 at 216 / 72, 16 at 208 / 88, 8 at 200 / 104, 48 at 192 / 120; medians
+  of three interleaved rounds, h 64 topk 512 / h 128 topk 1024: 208 / 88 717 / 2307 us,
+  200 / 104 717 / 2260, 192 / 120 729 / 2323. Transposed kernel: one consumer
+  warpgroup takes every stage (``consumers=1``), which frees the registers for a
+  second producer (H100,
   interleaved medians of two runs, against two consumers and one producer at 176 / 152):
   16 heads a CTA, two producers at 160 beside a consumer at 184: fp8_ds_mla b128 h16
   225.5 / 237.5 vs 240.8 / 247.5 us, fp8_model1 h16 174.1 / 171.0 vs 183.8 / 186.4 us;
@@ -220,7 +222,7 @@ def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
       return Config(consumer_registers=216, producer_registers=72, pair=True)
     return Config(consumer_registers=208, producer_registers=88, pair=pair)
   if fmt is None:
-    return Config(consumer_registers=208, producer_registers=88, half_stages=True)
+    return Config(consumer_registers=200, producer_registers=104, half_stages=True)
   return Config(consumer_registers=232, producer_registers=40)
 
 
