@@ -501,8 +501,9 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     zero = lambda i: zero_ref[0]  # noqa: E731
   hold = query_done is not None
 
-  def done_with_query(when=True):
-    if hold:
+  def done_with_query(when):
+    """Calls ``query_done`` where ``when`` (pass ``hold and ...``: nothing without it)."""
+    if when is not False:
       pl.when(when)(query_done)
 
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
@@ -543,27 +544,25 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     # descriptors derived in the loop (no hoisting, no spills)
     return apply_mask(unmasked_scores(i, w, zero(i)))
 
-  def multiply(acc, w, slot, p=None, after_issue=lambda: None, z=0, last=False):
+  def multiply(acc, w, slot, p=None, after_issue=lambda: None, z=0, held=False):
     """``acc + P @ V`` over warpgroup ``w``'s half of slot ``slot``, then frees that
-    half unless it is the last stage's and ``query_done`` is given; ``p``: bf16
-    registers, or None: the ``P`` stored for the slot; ``after_issue`` runs while the
-    product is in flight."""
+    half unless ``held`` (True, or traced: where true; the last stage's half, kept for
+    the caller with ``query_done``); ``p``: bf16 registers, or None: the ``P`` stored
+    for the slot; ``after_issue`` runs while the product is in flight."""
     def pv(acc_ref):
       plgpu.wgmma(acc_ref, rope.at[p_index(slot) + z] if p is None else p,
                   k_main.at[slot + z, w])
       after_issue()
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    free_unless(last, slot, w)
+    release_unless(held, slot, w)
     return acc
 
-  def free_unless(last, slot, w):
-    """Frees half ``w`` of ``slot`` unless ``last`` (traced or not) and the caller
-    holds the last stage's halves."""
-    if not hold or last is False:
+  def release_unless(held, slot, w):
+    if held is False:
       release(slot, w)
-    elif last is not True:
-      pl.when(jnp.logical_not(last))(lambda: release(slot, w))
+    elif held is not True:
+      pl.when(jnp.logical_not(held))(lambda: release(slot, w))
 
   def rescaled(m_use, m_run, acc, l_run):
     """``(acc, l)`` brought from max ``m_run`` to ``m_use`` (the new max through
@@ -619,7 +618,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def lead_pair(k, carry):
     """Warpgroup 0, pair ``k``: stage ``2k`` up to its ``P`` stored at the pair's max."""
     acc, s = lead_scores(k, carry[0])
-    done_with_query((k == pairs - 1) & jnp.logical_not(odd))
+    done_with_query(hold and (k == pairs - 1) & jnp.logical_not(odd))
     m_own = jnp.maximum(carry[1], s.max(axis=1) * scale)
     publish(0, m_own)
     p, (acc, _, l_run) = softmax(s, m_own, (acc, *carry[1:]))
@@ -633,7 +632,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def follow_pair(k, carry):
     """Warpgroup 1, pair ``k``: stage ``2k + 1`` at the pair's max, then both products."""
     s = scores(2 * k + 1, 1)
-    done_with_query(k == pairs - 1)
+    done_with_query(hold and k == pairs - 1)
     row_max = s.max(axis=1) * scale
     plgpu.barrier_wait(published(0))
     m_pair = jnp.maximum(load(stats.at[0]), row_max)  # warpgroup 0's is past carry's
@@ -648,7 +647,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       plgpu.barrier_wait(stored(0))
       plgpu.wgmma(acc_ref, rope.at[p_index(0) + z], k_main.at[z, 1])
       plgpu.wgmma_wait(1)
-      free_unless((k == pairs - 1) & jnp.logical_not(odd), 1, 1)
+      release_unless(hold and (k == pairs - 1) & jnp.logical_not(odd), 1, 1)
 
     acc = pl.run_state(products)(plgpu.ACC.init(carry[0]))
     release(0, 1)
@@ -659,16 +658,16 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     odd last stage (its alone)."""
     def last_product(acc):
       plgpu.barrier_wait(stored(1))
-      return multiply(acc, 0, 1, z=zero(steps), last=jnp.logical_not(odd))
+      return multiply(acc, 0, 1, z=zero(steps), held=hold and jnp.logical_not(odd))
 
     def last_alone(carry):
       s = scores(steps - 1, 0)
-      done_with_query()
+      done_with_query(hold)
       m_new = jnp.maximum(carry[1], s.max(axis=1) * scale)
       publish(0, m_new)
       p, (acc, m, l_run) = softmax(s, m_new, carry)
       p = p.astype(jnp.bfloat16)
-      return (multiply(acc, 0, 0, p, lambda: store_p(0, p), z=zero(steps), last=True), m,
+      return (multiply(acc, 0, 0, p, lambda: store_p(0, p), z=zero(steps), held=hold), m,
               l_run)
 
     carry = (lax.cond(steps >= 2, last_product, lambda a: a, carry[0]), *carry[1:])
@@ -682,9 +681,9 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       m_new = jnp.maximum(m_run, load(stats.at[0]))
       acc, l_run = rescaled(_softmax.safe_max(m_new), m_run, acc, l_run)
       plgpu.barrier_wait(stored(0))
-      return multiply(acc, 1, 0, z=zero(steps), last=True), m_new, l_run
+      return multiply(acc, 1, 0, z=zero(steps), held=hold), m_new, l_run
 
-    done_with_query(steps == 1)  # warpgroup 1 computed no S
+    done_with_query(hold and steps == 1)  # warpgroup 1 computed no S
     return lax.cond(odd, last_other, lambda c: c, carry)
 
   plgpu.barrier_wait(q_bar)
