@@ -488,9 +488,8 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   Returns:
     ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
     may then stage the output (without ``query_done``), as may row 0 of ``stats``: the
-    float32 accumulator
-    ``[64, 256]``, the row max (scaled base-2 units) and sum. Finish with
-    :func:`empty_rows`.
+    float32 accumulator ``[64, 256]``, the row max (scaled base-2 units) and sum.
+    Finish with :func:`empty_rows`.
   """
   plgpu = plgpu_mod
   q_bar, wait_loaded, release, done_bar = barriers
@@ -505,6 +504,10 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     """Calls ``query_done`` where ``when`` (pass ``hold and ...``: nothing without it)."""
     if when is not False:
       pl.when(when)(query_done)
+
+  def holds_last_stage(k):
+    """Whether pair ``k`` holds the last stage (an even count of stages)."""
+    return (k == pairs - 1) & jnp.logical_not(odd)
 
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
@@ -618,7 +621,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   def lead_pair(k, carry):
     """Warpgroup 0, pair ``k``: stage ``2k`` up to its ``P`` stored at the pair's max."""
     acc, s = lead_scores(k, carry[0])
-    done_with_query(hold and (k == pairs - 1) & jnp.logical_not(odd))
+    done_with_query(hold and holds_last_stage(k))
     m_own = jnp.maximum(carry[1], s.max(axis=1) * scale)
     publish(0, m_own)
     p, (acc, _, l_run) = softmax(s, m_own, (acc, *carry[1:]))
@@ -647,7 +650,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       plgpu.barrier_wait(stored(0))
       plgpu.wgmma(acc_ref, rope.at[p_index(0) + z], k_main.at[z, 1])
       plgpu.wgmma_wait(1)
-      release_unless(hold and (k == pairs - 1) & jnp.logical_not(odd), 1, 1)
+      release_unless(hold and holds_last_stage(k), 1, 1)
 
     acc = pl.run_state(products)(plgpu.ACC.init(carry[0]))
     release(0, 1)

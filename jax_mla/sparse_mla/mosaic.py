@@ -388,7 +388,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           plgpu.barrier_arrive(q_free)
         plgpu.wait_smem_to_gmem(0)
-      return ring_after(ring_start, first[-1])
+      return ring_after(ring_start, steps)
 
     for_each_item(consume)
 
