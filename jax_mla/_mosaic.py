@@ -388,13 +388,54 @@ def store_heads(plgpu_mod, src_ref, dst_ref, *, count: int, stride: int) -> None
       src_ref, dst_ref)
 
 
+# consume_pairs' hand-offs between its two warpgroups are PTX named barriers over both
+# warpgroups' 256 threads: "max published" by warpgroup w (8 + w), "P stored" by w
+# (10 + w), both done (12), as FlashMLA's: the other warpgroup's ``bar.sync`` returns
+# once the ``bar.arrive`` lands, where an mbarrier took an elected arrive and a polling
+# wait. With :func:`store_unsynced`, 1.5-2.6% on the bf16 prefill and 0.9% on the
+# dense decode (RESULTS.md, session 32). Mosaic GPU takes barrier 0 for the CTA and
+# 1 + i for warpgroup i's own.
+_PUBLISHED, _STORED, _BOTH_DONE = 8, 10, 12
+
+
+def named_barrier(plgpu_mod, op: str, barrier: int, *, fence: bool = False) -> None:
+  """``bar.<op> barrier, 256`` in every thread of the warpgroup, for two warpgroups:
+  ``arrive`` signals (after the thread's shared memory writes; with ``fence`` made
+  visible to the async proxy first) without waiting, ``sync`` waits until the other
+  warpgroup has arrived or synced too. Each arrive must meet one sync of the other
+  warpgroup before the next arrive on that barrier."""
+  text = ("fence.proxy.async.shared::cta; " if fence else "") + f"bar.{op} {barrier}, 256;"
+
+  def body(ctx):
+    del ctx
+    _inline.asm(_inline.void(), text, "", effects=True)
+
+  plgpu_mod.inline_mgpu()(body)()
+
+
+def store_unsynced(plgpu_mod, value, ref, layout, transforms=()) -> None:
+  """``ref[...] = value`` (``layout``; ``transforms``: the ref's SMEM tiling, made for
+  the 128-byte swizzle, or none) without the warpgroup barriers Pallas puts on both
+  sides of an SMEM store. For :func:`consume_pairs`' hand-offs, where the named barrier
+  after the store orders it for its reader, and the hand-off protocol orders the
+  previous reads before it (a caller that reads those rows, or lets a TMA read them,
+  syncs its warpgroup before the next call)."""
+
+  def body(ctx, value, ref):
+    del ctx
+    if transforms:
+      value.store_tiled(ref, swizzle=128)
+    else:
+      value.store_untiled(ref, optimized=False)
+
+  plgpu_mod.inline_mgpu(arg_types=(layout, plgpu_mod.RefType(transforms)))(body)(value, ref)
+
+
 def pair_scratch(plgpu_mod, rows: int):
   """What :func:`consume_pairs` passes between its two warpgroups besides ``P``, for a
   kernel's ``run_scoped``: float32 ``[4, rows]`` SMEM (each warpgroup's row max of its
-  stage, then its row sum) and four barriers ("max published" and "``P`` stored", one of
-  each per warpgroup)."""
-  return (plgpu_mod.SMEM((4, rows), jnp.float32),
-          plgpu_mod.Barrier(num_arrivals=1, num_barriers=4))
+  stage, then its row sum)."""
+  return plgpu_mod.SMEM((4, rows), jnp.float32)
 
 
 def half_part(slot, half):
@@ -469,11 +510,13 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
       and slot 1's ``P``.
     has_rope: whether ``S`` takes the RoPE columns (else those tiles are only ``P``'s).
     steps: key stages to consume (traced).
-    barriers: ``(q_bar, wait_loaded, release, done_bar)``: the query-loaded barrier;
+    barriers: ``(q_bar, wait_loaded, release)``: the query-loaded barrier;
       ``wait_loaded(i, slot, half)`` waits until that half of stage ``i`` (in ``slot``)
-      is loaded, ``release(slot, half)`` frees it (its one reader is done); both
-      consumers done with the query. :func:`half_barriers` makes the middle two.
-    shared: ``(stats, handoff)`` from :func:`pair_scratch`.
+      is loaded, ``release(slot, half)`` frees it (its one reader is done).
+      :func:`half_barriers` makes the last two.
+    shared: the ``stats`` SMEM from :func:`pair_scratch`; the warpgroups hand off
+      through named barriers 8-12 (:func:`named_barrier`), which the caller leaves
+      alone.
     mask: ``mask(i, slot)`` runs (in the warpgroup computing stage ``i``) before the
       stage is waited for, so work that does not read the stage overlaps the wait; it
       returns the function that sets the float32 scores of absent keys to ``-inf``.
@@ -487,13 +530,15 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
 
   Returns:
     ``(acc, m, l)`` in both warpgroups once both are done with the query, whose SMEM
-    may then stage the output (without ``query_done``), as may row 0 of ``stats``: the
-    float32 accumulator ``[64, 256]``, the row max (scaled base-2 units) and sum.
+    may then stage the output (without ``query_done``), as may rows 0-1 of ``stats``:
+    the float32 accumulator ``[64, 256]``, the row max (scaled base-2 units) and sum.
+    A caller that calls again after staging in ``stats`` first syncs each warpgroup
+    past those reads (the hand-offs store there without Pallas' barriers).
     Finish with :func:`empty_rows`.
   """
   plgpu = plgpu_mod
-  q_bar, wait_loaded, release, done_bar = barriers
-  stats, handoff = shared
+  q_bar, wait_loaded, release = barriers
+  stats = shared
   if zero_ref is None:
     zero = opaque_zero
   else:
@@ -512,8 +557,8 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   rows, keys, half = q_main.shape[1], k_main.shape[2], k_main.shape[3]
   # Refs are indexed where used: a view made outside a loop or ``run_state`` passes its
   # index in as a constant, which jax 0.11's Mosaic GPU lowering does not take.
-  published = lambda w: handoff.at[w]  # noqa: E731  warpgroup 0: its max; 1: the pair's
-  stored = lambda w: handoff.at[2 + w]  # noqa: E731
+  published = lambda w: _PUBLISHED + w  # noqa: E731  warpgroup 0: its max; 1: the pair's
+  stored = lambda w: _STORED + w  # noqa: E731
   p_index = lambda slot: slot * 3  # noqa: E731  P of slot ``slot``
   row = row_layout(plgpu)
   load = lambda ref: plgpu.load(ref, (), layout=row, optimized=False)  # noqa: E731
@@ -583,13 +628,13 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     return p, (acc, m_new, l_run + p.sum(axis=1))
 
   def publish(w, m):
-    stats.at[w][...] = m
-    plgpu.barrier_arrive(published(w))
+    store_unsynced(plgpu, m, stats.at[w], row)
+    named_barrier(plgpu, "arrive", published(w))
 
   def store_p(w, p):
-    rope.at[p_index(w)][...] = p
-    plgpu.commit_smem()  # P is read by wgmma (the async proxy)
-    plgpu.barrier_arrive(stored(w))
+    store_unsynced(plgpu, p, rope.at[p_index(w)], plgpu.Layout.WGMMA, swizzled(plgpu))
+    # P is read by wgmma (the async proxy)
+    named_barrier(plgpu, "arrive", stored(w), fence=True)
 
   def lead_scores(k, acc):
     """Warpgroup 0, pair ``k``: ``(acc, masked S of stage 2k)``, the product by slot 1's
@@ -603,7 +648,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     def behind_product(acc):
       def products(refs):
         acc_ref, s_ref = refs
-        plgpu.barrier_wait(stored(1))
+        named_barrier(plgpu, "sync", stored(1))
         plgpu.wgmma(acc_ref, rope.at[p_index(1) + z], k_main.at[1 + z, 0])
 
         def free_half():
@@ -626,7 +671,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     publish(0, m_own)
     p, (acc, _, l_run) = softmax(s, m_own, (acc, *carry[1:]))
     acc = multiply(acc, 0, 0, p.astype(jnp.bfloat16), z=zero(k))
-    plgpu.barrier_wait(published(1))
+    named_barrier(plgpu, "sync", published(1))
     m_pair = load(stats.at[1])
     factor = jnp.exp2(m_own - _softmax.safe_max(m_pair))  # 0 while m_own is -inf
     store_p(0, (p * bcast(factor, p.shape)).astype(jnp.bfloat16))
@@ -637,7 +682,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     s = scores(2 * k + 1, 1)
     done_with_query(hold and k == pairs - 1)
     row_max = s.max(axis=1) * scale
-    plgpu.barrier_wait(published(0))
+    named_barrier(plgpu, "sync", published(0))
     m_pair = jnp.maximum(load(stats.at[0]), row_max)  # warpgroup 0's is past carry's
     publish(1, m_pair)
     p, carry = softmax(s, m_pair, carry)
@@ -647,7 +692,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     def products(acc_ref):
       plgpu.wgmma(acc_ref, p, k_main.at[1 + z, 1])
       store_p(1, p)  # while the product runs
-      plgpu.barrier_wait(stored(0))
+      named_barrier(plgpu, "sync", stored(0))
       plgpu.wgmma(acc_ref, rope.at[p_index(0) + z], k_main.at[z, 1])
       plgpu.wgmma_wait(1)
       release_unless(hold and holds_last_stage(k), 1, 1)
@@ -660,7 +705,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     """Warpgroup 0 after the pairs: the last pair's product by slot 1's ``P``, then an
     odd last stage (its alone)."""
     def last_product(acc):
-      plgpu.barrier_wait(stored(1))
+      named_barrier(plgpu, "sync", stored(1))
       return multiply(acc, 0, 1, z=zero(steps), held=hold and jnp.logical_not(odd))
 
     def last_alone(carry):
@@ -680,10 +725,10 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     """Warpgroup 1 after the pairs: an odd last stage's max and ``P``."""
     def last_other(carry):
       acc, m_run, l_run = carry
-      plgpu.barrier_wait(published(0))
+      named_barrier(plgpu, "sync", published(0))
       m_new = jnp.maximum(m_run, load(stats.at[0]))
       acc, l_run = rescaled(_softmax.safe_max(m_new), m_run, acc, l_run)
-      plgpu.barrier_wait(stored(0))
+      named_barrier(plgpu, "sync", stored(0))
       return multiply(acc, 1, 0, z=zero(steps), held=hold), m_new, l_run
 
     done_with_query(hold and steps == 1)  # warpgroup 1 computed no S
@@ -699,8 +744,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
   acc, m, l_own = lax.cond(wg == 0, lead_tail, follow_tail, carry)
   # Both warpgroups end at the same max (-inf with no stage); their sums add.
   stats.at[2 + wg][...] = l_own
-  plgpu.barrier_arrive(done_bar)
-  plgpu.barrier_wait(done_bar)
+  named_barrier(plgpu, "sync", _BOTH_DONE)
   return acc, m, load(stats.at[2]) + load(stats.at[3])
 
 

@@ -181,15 +181,14 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       return lambda s: lax.cond(least_limit - base >= PAGE, lambda s: s,
                                 lambda s: apply(s, key_limits()), s)
 
-    consume = dict(wg=wg, q_main=q_nope, k_main=kv_nope, steps=steps,
-                   shared=(p_stats, p_ready), mask=mask, scale=scale)
+    consume = dict(wg=wg, q_main=q_nope, k_main=kv_nope, steps=steps, mask=mask, scale=scale)
     if transposed:
       acc, m, l = _mosaic.consume_stages(
-          plgpu, q_rope=q_rope, k_rope=kv_rope, p_t=p_t, barriers=(
+          plgpu, q_rope=q_rope, k_rope=kv_rope, p_t=p_t, shared=(p_stats, p_ready), barriers=(
               q_bar, *_mosaic.stage_barriers(plgpu, ready, free), done_bar), **consume)
     else:
-      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope, barriers=(
-          q_bar, *_mosaic.half_barriers(plgpu, ready, free), done_bar), **consume)
+      acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope, shared=p_stats, barriers=(
+          q_bar, *_mosaic.half_barriers(plgpu, ready, free)), **consume)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)
@@ -377,8 +376,9 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
 
   swizzled = _mosaic.swizzled(plgpu)
   transposed = rows != BLOCK_M
+  # consume_pairs' warpgroups hand off through named barriers, not these mbarriers.
   shared_smem, shared_barrier = (_mosaic.shared_scratch(plgpu, rows, NUM_STAGES) if transposed
-                                 else _mosaic.pair_scratch(plgpu, rows))
+                                 else (_mosaic.pair_scratch(plgpu, rows), None))
   vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)
   smem = (
       plgpu.SMEM((2, rows, HALF), jnp.bfloat16, transforms=swizzled),
@@ -401,7 +401,7 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=parts),  # a part loaded
       # A part free: both consumers read a whole stage, one reads a half.
       plgpu.Barrier(num_arrivals=2 if transposed else 1, num_barriers=parts),
-      plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      plgpu.Barrier(num_arrivals=2) if transposed else None,  # both consumers done with Q
       plgpu.Barrier(num_arrivals=arrivals),  # a part of a partial block loaded
       shared_barrier,
   )

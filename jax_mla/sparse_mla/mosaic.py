@@ -329,8 +329,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
       if halves:
         acc, m, l = _mosaic.consume_pairs(
             plgpu, wg=wg, q_main=q_main, k_main=kv_main, rope=kv_rope, has_rope=has_rope,
-            steps=first[-1], barriers=(q_bar, loaded_after(ring_start), release, done_bar),
-            shared=(p_stats, p_ready), mask=mask, scale=scale,
+            steps=first[-1], barriers=(q_bar, loaded_after(ring_start), release),
+            shared=p_stats, mask=mask, scale=scale,
             zero_ref=valid.at[3, pl.ds(0, 1)], query_done=lambda: plgpu.barrier_arrive(q_free))
       else:
         acc, m, l = _mosaic.consume_stages(
@@ -379,6 +379,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         pl.when(steps > 0)(lambda: store(kv_main.at[last, wg]))
         pl.when(steps == 0)(lambda: store(q_main.at[wg]))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # Its warpgroup barrier keeps the next item's hand-off stores into stats
+        # (consume_pairs' store_unsynced) behind this store's reads of its rows.
+        plgpu.commit_smem()
         pl.when(steps > 0)(lambda: release(last, wg))
         pl.when(steps == 0)(lambda: plgpu.barrier_arrive(q_free))
       else:
@@ -469,7 +472,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
 
   tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
-  shared_smem, shared_barrier = (_mosaic.pair_scratch(plgpu, BLOCK_H) if halves else
+  # consume_pairs' warpgroups hand off through named barriers, not these mbarriers.
+  shared_smem, shared_barrier = ((_mosaic.pair_scratch(plgpu, BLOCK_H), None) if halves else
                                  _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages))
   smem = (
       plgpu.SMEM((2, BLOCK_H, HALF), jnp.bfloat16, transforms=tiles),
@@ -495,7 +499,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
       # A stage gathered (halves: a slot's validity written).
       plgpu.Barrier(num_arrivals=1, num_barriers=config.num_stages),
       free_barrier(num_arrivals=2 - halves, num_barriers=parts),  # free: its readers
-      plgpu.Barrier(num_arrivals=2),  # both consumers done with the query
+      None if halves else plgpu.Barrier(num_arrivals=2),  # both consumers done with Q
       shared_barrier,
   ) + ((plgpu.Barrier(num_arrivals=2),) if persistent else ())  # the query's SMEM is free
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
