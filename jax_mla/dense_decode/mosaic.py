@@ -237,14 +237,14 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       bar = slot if parts == 1 else _mosaic.half_part(slot, part)
       halves = range(2) if parts == 1 else (part,)
 
+      blk = blk0 + i
+      pg = bt_ref[bi, blk]  # read before the wait for the slot, which hides its latency
+      # Rows of the block inside the sequence; 0 for an invalid block id.
+      kept = jnp.where((pg >= 0) & (pg < num_blocks), jnp.minimum(seq - blk * PAGE, PAGE), 0)
+
       @pl.when(i >= NUM_STAGES)
       def _():
         plgpu.barrier_wait(free.at[bar])
-
-      blk = blk0 + i
-      pg = bt_ref[bi, blk]
-      # Rows of the block inside the sequence; 0 for an invalid block id.
-      kept = jnp.where((pg >= 0) & (pg < num_blocks), jnp.minimum(seq - blk * PAGE, PAGE), 0)
 
       def load(barrier):
         src_rows = pl.ds(pg * PAGE, PAGE)
