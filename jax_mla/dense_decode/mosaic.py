@@ -376,7 +376,7 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
 
   swizzled = _mosaic.swizzled(plgpu)
   transposed = rows != BLOCK_M
-  # consume_pairs' warpgroups hand off through named barriers, not these mbarriers.
+  # consume_pairs hands off through named barriers: it takes no mbarriers of its own.
   shared_smem, shared_barrier = (_mosaic.shared_scratch(plgpu, rows, NUM_STAGES) if transposed
                                  else (_mosaic.pair_scratch(plgpu, rows), None))
   vector_row = max(rows, _mosaic.MIN_VECTOR_ROW)

@@ -472,7 +472,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
 
   tiles = _mosaic.swizzled(plgpu)
   rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
-  # consume_pairs' warpgroups hand off through named barriers, not these mbarriers.
+  # consume_pairs hands off through named barriers: it takes no mbarriers of its own.
   shared_smem, shared_barrier = ((_mosaic.pair_scratch(plgpu, BLOCK_H), None) if halves else
                                  _mosaic.shared_scratch(plgpu, BLOCK_H, config.num_stages))
   smem = (
