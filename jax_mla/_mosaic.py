@@ -413,22 +413,23 @@ def named_barrier(plgpu_mod, op: str, barrier: int, *, fence: bool = False) -> N
   plgpu_mod.inline_mgpu()(body)()
 
 
-def store_unsynced(plgpu_mod, value, ref, layout, transforms=()) -> None:
-  """``ref[...] = value`` (``layout``; ``transforms``: the ref's SMEM tiling, made for
-  the 128-byte swizzle, or none) without the warpgroup barriers Pallas puts on both
-  sides of an SMEM store. For :func:`consume_pairs`' hand-offs, where the named barrier
+def store_unsynced(plgpu_mod, value, ref, layout, *, tiled: bool = False) -> None:
+  """``ref[...] = value`` (``layout``; ``tiled``: ``ref`` is in :func:`swizzled` tiles,
+  else untransformed) without the warpgroup barriers Pallas puts on both sides of an
+  SMEM store. For :func:`consume_pairs`' hand-offs, where the named barrier
   after the store orders it for its reader, and the hand-off protocol orders the
   previous reads before it (a caller that reads those rows, or lets a TMA read them,
   syncs its warpgroup before the next call)."""
 
   def body(ctx, value, ref):
     del ctx
-    if transforms:
-      value.store_tiled(ref, swizzle=128)
+    if tiled:
+      value.store_tiled(ref, swizzle=128)  # swizzled()'s
     else:
       value.store_untiled(ref, optimized=False)
 
-  plgpu_mod.inline_mgpu(arg_types=(layout, plgpu_mod.RefType(transforms)))(body)(value, ref)
+  ref_type = plgpu_mod.RefType(swizzled(plgpu_mod) if tiled else ())
+  plgpu_mod.inline_mgpu(arg_types=(layout, ref_type))(body)(value, ref)
 
 
 def pair_scratch(plgpu_mod, rows: int):
@@ -632,7 +633,7 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     named_barrier(plgpu, "arrive", published(w))
 
   def store_p(w, p):
-    store_unsynced(plgpu, p, rope.at[p_index(w)], plgpu.Layout.WGMMA, swizzled(plgpu))
+    store_unsynced(plgpu, p, rope.at[p_index(w)], plgpu.Layout.WGMMA, tiled=True)
     # P is read by wgmma (the async proxy)
     named_barrier(plgpu, "arrive", stored(w), fence=True)
 
