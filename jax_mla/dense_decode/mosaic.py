@@ -37,9 +37,10 @@ with per-half barriers took it from 331-333 to 315-320 us and the b64 s_q2 row f
 597-602 to 553-558 us, and the query's RoPE columns kept in SMEM (not registers) to
 307-316 and 541-551 us (2026-11-26). What the consumers wait for most is the refill of
 the two halves the pair loop frees last (slot 0's half 1, slot 1's half 0): without
-those loads the b128 row ran 257 against 311 us. L2 prefetch of whole blocks, per-chunk
-barriers and consumer-issued refills of those halves were all slower, the last two
-from spills (RESULTS.md, session 33).
+those loads the b128 row ran 257 against 311 us. All slower (RESULTS.md, session 33): L2
+prefetch of whole blocks; per-64-column barriers, by 1 KiB TMAs (Pallas' per-copy
+arrivals) or chunk-major halves (register spills); consumer-issued refills of those
+halves (spills).
 
 A request with at most 32 query rows (tensor parallelism leaves 8, 16 or 32 heads a
 GPU) takes the transposed form of the sparse kernels' loop, in which the consumers take
