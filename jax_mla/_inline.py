@@ -142,6 +142,14 @@ def lane_and_warp():
   return arith.remui(tid, const(32)), arith.divui(tid, const(32))
 
 
+def warpgroup_leader():
+  """Whether this thread is its warpgroup's first, as an i1 (a predicate for one thread's
+  arrivals and TMA issues)."""
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+  return arith.cmpi(arith.CmpIPredicate.eq, arith.remui(mgpu.thread_idx(), const(128)), const(0))
+
+
 def block_x():
   """``blockIdx.x`` as i32."""
   from jax._src.lib.mlir.dialects import arith, gpu

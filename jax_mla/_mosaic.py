@@ -86,6 +86,51 @@ def _cluster_sync(ctx):
                   has_side_effects=True)
 
 
+def scalar_arg(plgpu_mod):
+  """The ``inline_mgpu`` argument type of a traced int32 scalar (read in the body as
+  ``arg.registers.item()``)."""
+  return plgpu_mod.Layout.WG_SPLAT(shape=())
+
+
+def init_mbarriers(plgpu_mod, ref, count: int, arrivals: int) -> None:
+  """Initialises ``count`` hand-rolled mbarriers (8 bytes each from ``ref``'s first, in
+  SMEM, ``arrivals`` arrivals a phase) from the CTA's first thread, then waits for every
+  thread (call in every warpgroup, before the roles split). Kernels keep them in spare
+  words of an SMEM allocation they have anyway (each allocation takes a 1 KiB block)."""
+
+  def body(ctx, bar_ref):
+    del ctx
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    inits = " ".join(f"@p mbarrier.init.shared::cta.b64 [$0+{8 * k}], {arrivals};"
+                     for k in range(count))
+    _inline.asm(_inline.void(), "{.reg .pred p; setp.eq.u32 p, $1, 0; " + inits +
+                " fence.mbarrier_init.release.cluster;}", "r,r", mgpu_utils.memref_ptr(bar_ref),
+                mgpu.thread_idx(), effects=True)
+
+  plgpu_mod.inline_mgpu(arg_types=(plgpu_mod.RefType(),))(body)(ref)
+  cluster_sync(plgpu_mod)
+
+
+def wait_parity(plgpu_mod, bar_ref, parity) -> None:
+  """Every thread of the warpgroup waits for phase ``parity`` (0 or 1: a Python int, or a
+  traced int32) of the hand-rolled mbarrier at ``bar_ref``'s first byte
+  (:func:`init_mbarriers`)."""
+  static = isinstance(parity, int)
+
+  def body(ctx, ref, *traced):
+    del ctx
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    operand, constraints, args = ((parity, "r", ()) if static else
+                                  ("$1", "r,r", (traced[0].registers.item(),)))
+    _inline.asm(_inline.void(), "{.reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64"
+                f" done, [$0], {operand}; @!done bra WAIT;}}", constraints,
+                mgpu_utils.memref_ptr(ref), *args, effects=True)
+
+  arg_types = (plgpu_mod.RefType(),) + (() if static else (scalar_arg(plgpu_mod),))
+  plgpu_mod.inline_mgpu(arg_types=arg_types)(body)(bar_ref, *(() if static else (parity,)))
+
+
 def transposed_tiles(rows: int) -> tuple[int, int]:
   """``(tiles, rows_per_tile)`` of a transposed kernel: the fewest tiles of at most 32
   rows covering ``rows``, each a multiple of 16 (the last tile's padding rows are zero

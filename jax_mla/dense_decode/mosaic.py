@@ -40,7 +40,13 @@ the two halves the pair loop frees last (slot 0's half 1, slot 1's half 0): with
 those loads the b128 row ran 257 against 311 us. All slower (RESULTS.md, session 33): L2
 prefetch of whole blocks; per-64-column barriers, by 1 KiB TMAs (Pallas' per-copy
 arrivals) or chunk-major halves (register spills); consumer-issued refills of those
-halves (spills).
+halves (spills). With 64-row tiles the producer's first thread issues a half's TMA
+copies onto a hand-rolled mbarrier (one arrival a phase; :func:`_load_half`): a Pallas
+copy arrives from all 128 threads of the warpgroup, and that took 274 ns from the
+producer's wake-up to the issue of a half. The b128 row went from 314.7 to 307.4 us,
+the b64 s_q 2 row from 529.6 to 511.7 (session 34). Also measured there: L2
+prefetching of the late halves or whole blocks (slower), and the late halves issued by
+the consumers that free them, onto the same mbarriers (no faster than the producer).
 
 A request with at most 32 query rows (tensor parallelism leaves 8, 16 or 32 heads a
 GPU) takes the transposed form of the sparse kernels' loop, in which the consumers take
@@ -65,7 +71,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _mosaic, merge_mosaic
+from jax_mla import _inline, _mosaic, merge_mosaic
 from jax_mla._common import (
   D_NOPE,
   D_QK,
@@ -108,7 +114,11 @@ class Config:
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,
                    plgpu, s_q, h_q, tiles, num_blocks, num_splits, causal, scale, registers):
-  q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, kept_rows, p_stats = smem
+  q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, words, p_stats = smem
+  kept_rows = words.at[pl.ds(0, 1)]
+  # 64-row tiles: the ring halves' "loaded" mbarriers, then a partial block's halves'
+  mbarriers = words.at[pl.ds(_LOADED_WORD, 2 * _MBARRIERS)]
+  mbarrier = lambda k: mbarriers.at[pl.ds(2 * k, 2)]  # noqa: E731
   if lse_smem is None:  # 64-row tiles: consume_pairs leaves this row free for the LSE
     lse_smem = p_stats.at[0]
   q_bar, ready, free, done_bar, tail_bar, p_ready = barriers
@@ -140,6 +150,9 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
   # With causal, rows of different tokens see different keys: a row's own limit.
   per_row = causal and s_q > 1 and h_q % rows != 0
   least_limit = limit(lax.div(first_row, h_q)) if per_row else lim  # the tile's first token's
+
+  if not transposed:
+    _mosaic.init_mbarriers(plgpu, mbarriers, count=_MBARRIERS, arrivals=1)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -192,8 +205,15 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
           plgpu, q_rope=q_rope, k_rope=kv_rope, p_t=p_t, shared=(p_stats, p_ready), barriers=(
               q_bar, *_mosaic.stage_barriers(plgpu, ready, free), done_bar), **consume)
     else:
+      def wait_loaded(i, slot, half):  # stage i is the slot's (i // 2)-th fill
+        _mosaic.wait_parity(plgpu, mbarrier(_mosaic.half_part(slot, half)),
+                            lax.rem(lax.div(i, NUM_STAGES), 2))
+
+      def release(slot, half):
+        plgpu.barrier_arrive(free.at[_mosaic.half_part(slot, half)])
+
       acc, m, l = _mosaic.consume_pairs(plgpu, rope=kv_rope, shared=p_stats, barriers=(
-          q_bar, *_mosaic.half_barriers(plgpu, ready, free)), **consume)
+          q_bar, wait_loaded, release), **consume)
 
     # Both consumers are done with Q: its NoPE halves become the output staging.
     empty, l_safe = _mosaic.empty_rows(l)
@@ -235,6 +255,11 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
         functools.partial(_zero_rows, halves=2 // parts, rope=parts == 1 or part == 1))
                  for part in range(parts)]
 
+    tma_half = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, swizzled, plgpu.RefType(),
+                                             _mosaic.scalar_arg(plgpu)))(
+        functools.partial(_load_half, half=h)) for h in range(2)]
+    arrive = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_arrive)
+
     def load_part(i, part):
       """Part ``part`` of stage ``i`` into its slot once its readers have freed it: the
       whole stage, or half ``part`` of the main columns (half 1 with the RoPE tile)."""
@@ -262,21 +287,34 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
         else:  # half 0 completes on two arrivals like half 1
           plgpu.barrier_arrive(barrier)
 
-      pl.when(kept == PAGE)(lambda: load(ready.at[bar]))
+      def load_half(mbar):  # 64-row tiles
+        tma_half[part](kv_ref, kv_nope.at[slot, part], kv_rope.at[slot], mbar, pg)
+
+      if parts == 1:
+        pl.when(kept == PAGE)(lambda: load(ready.at[bar]))
+      else:
+        pl.when(kept == PAGE)(lambda: load_half(mbarrier(bar)))
 
       @pl.when(kept < PAGE)
       def _():
         @pl.when(kept > 0)
         def _():
-          load(tail_bar)
-          plgpu.barrier_wait(tail_bar)
+          if parts == 1:
+            load(tail_bar)
+            plgpu.barrier_wait(tail_bar)
+          else:  # a sequence has one partial block: each half's barrier is used once
+            load_half(mbarrier(_LOADED_BARRIERS + part))
+            _mosaic.wait_parity(plgpu, mbarrier(_LOADED_BARRIERS + part), 0)
 
         kept_rows[...] = jnp.full((1,), kept, jnp.int32)
         zero_rows[part](kept_rows, kv_nope.at[slot] if parts == 1 else kv_nope.at[slot, part],
                         kv_rope.at[slot])
         plgpu.commit_smem()  # the zeros are read by wgmma (the async proxy)
-        for _ in range(part_arrivals(transposed)):
-          plgpu.barrier_arrive(ready.at[bar])
+        if parts == 1:
+          for _ in range(part_arrivals(transposed)):
+            plgpu.barrier_arrive(ready.at[bar])
+        else:
+          arrive(mbarrier(bar))
 
     if transposed:
       pl.loop(0, steps)(lambda i: load_part(i, 0))
@@ -289,6 +327,50 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
             load_part(stages[j], h)
           else:
             pl.when(stages[j] < steps)(functools.partial(load_part, stages[j], h))
+
+
+# 64-row tiles: the ring halves' "loaded" mbarriers (one per half, _mosaic.half_part),
+# then one per half of a partial block (a sequence has one, so each is used once), in the
+# words after the kept-rows count. One arrival a phase: one producer thread arms a half
+# with its bytes and issues its TMA copies. A Pallas copy arrives from all 128 threads of
+# the warpgroup, and a half's refill took 274 ns from the producer's wake-up to its TMA
+# issue, on the consumers' path for the halves they free last (RESULTS.md, session 34).
+_LOADED_WORD = 8  # 8-byte aligned
+_LOADED_BARRIERS = 2 * NUM_STAGES
+_MBARRIERS = _LOADED_BARRIERS + 2
+
+
+def _arrive(ctx, bar_ref):
+  """One arrival (the producer's first thread) on a hand-rolled mbarrier."""
+  del ctx
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  _inline.asm(_inline.void(), "{.reg .b64 s; @$1 mbarrier.arrive.shared::cta.b64 s, [$0];}",
+              "r,b", mgpu_utils.memref_ptr(bar_ref), _inline.warpgroup_leader(), effects=True)
+
+
+def _load_half(ctx, kv_ref, nope_ref, rope_ref, bar_ref, block, *, half):
+  """Half ``half`` of cache block ``block`` (half 1 with the RoPE tile) into its ring
+  slot: the warpgroup's first thread arms the hand-rolled mbarrier ``bar_ref`` with the
+  bytes and issues the TMA copies onto it."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  leader = _inline.warpgroup_leader()
+  copies = [(nope_ref, half * HALF, HALF)] + ([(rope_ref, D_NOPE, D_ROPE)] if half == 1 else [])
+  nbytes = sum(PAGE * width * 2 for _, _, width in copies)
+  bar = mgpu_utils.memref_ptr(bar_ref)
+  _inline.asm(_inline.void(), "{.reg .b64 s; @$1 mbarrier.arrive.expect_tx.shared::cta.b64 s, "
+              f"[$0], {nbytes};}}", "r,b", bar, leader, effects=True)
+  barrier = mgpu.BarrierRef(base_address=bar, offset=_inline.const(0), phases=None,
+                            num_barriers=1)
+  row = arith.index_cast(ir.IndexType.get(),
+                         arith.muli(block.registers.item(), _inline.const(PAGE)))
+  for dst, col, width in copies:  # swizzled()'s tiles
+    ctx.async_copy(src_ref=kv_ref, dst_ref=dst,
+                   gmem_slice=(mgpu.ds(row, PAGE), mgpu.ds(col, width)),
+                   gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, barrier=barrier,
+                   arrive=False, predicate=leader)
 
 
 def part_arrivals(transposed: bool) -> int:
@@ -396,18 +478,20 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       (plgpu.SMEM((NUM_STAGES, rows, PAGE), jnp.bfloat16, transforms=swizzled)
        if transposed else None),
       plgpu.SMEM((vector_row,), jnp.float32) if transposed else None,  # the LSE
-      plgpu.SMEM((1,), jnp.int32),  # rows kept in a partial block
+      # rows kept in a partial block; 64-row tiles: then the ring's "loaded" mbarriers
+      plgpu.SMEM((_LOADED_WORD + 2 * _MBARRIERS,), jnp.int32),
       shared_smem,
   )
   parts = NUM_STAGES * (1 if transposed else 2)  # ring parts with their own barriers
   arrivals = part_arrivals(transposed)
   barriers = (
       plgpu.Barrier(num_arrivals=3),  # query: three TMA copies (2 NoPE halves + RoPE)
-      plgpu.Barrier(num_arrivals=arrivals, num_barriers=parts),  # a part loaded
+      # a part loaded (64-row tiles: the mbarriers in the kernel's words)
+      plgpu.Barrier(num_arrivals=arrivals, num_barriers=parts) if transposed else None,
       # A part free: both consumers read a whole stage, one reads a half.
       plgpu.Barrier(num_arrivals=2 if transposed else 1, num_barriers=parts),
       plgpu.Barrier(num_arrivals=2) if transposed else None,  # both consumers done with Q
-      plgpu.Barrier(num_arrivals=arrivals),  # a part of a partial block loaded
+      plgpu.Barrier(num_arrivals=arrivals) if transposed else None,  # a partial block's part
       shared_barrier,
   )
   kernel = functools.partial(

@@ -63,7 +63,6 @@ from jax_mla.sparse_mla.mosaic_gather import (
   decode_lse,
   dequantized,
   first_steps,
-  init_halves,
   init_pair,
   kernel_inputs,
   leading_inputs,
@@ -73,7 +72,6 @@ from jax_mla.sparse_mla.mosaic_gather import (
   run_items,
   split_steps,
   store_decode_lse,
-  wait_half,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -264,7 +262,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     # row 2: an allocation of their own takes a 1 KiB block, and 928 bytes are left.
     loaded = lambda part: valid.at[2, pl.ds(2 * part, 2)]  # noqa: E731
     valid[3, 0] = jnp.int32(0)  # consume_pairs' zero_ref: an offset LLVM cannot fold
-    init_halves(plgpu, valid.at[2])
+    _mosaic.init_mbarriers(plgpu, valid.at[2], count=4, arrivals=128)  # the producer's threads
   wg = lax.axis_index("wg")
   blocks = h_q // BLOCK_H
   has_rope = d_qk > D_MAIN
@@ -314,7 +312,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         bar = loaded(_mosaic.half_part(slot, half))
         parity = lax.rem(uses[slot] + lax.div(i, 2), 2)
         for p in range(2):
-          pl.when(parity == p)(lambda p=p: wait_half(plgpu, bar, p))
+          pl.when(parity == p)(lambda p=p: _mosaic.wait_parity(plgpu, bar, p))
 
       return wait_loaded
 

@@ -347,13 +347,14 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
 
   ``gather``: the set's two :func:`gather_fn` halves; ``barriers``: ``(q_bar, loaded,
   free, valid_bar)``: the query; ``loaded(part)``, the SMEM ``[2]`` 32-bit row of a
-  half's hand-rolled mbarrier (:func:`init_halves`); four per-half free barriers; one
-  per slot for its validity row. ``valid``: SMEM int32, a row per slot. The CTA is
-  persistent: ``uses``, how often each slot was filled for its earlier items;
-  ``q_gate``, a function that waits until the query's SMEM is free (the consumers free
-  the query after their last ``S``, and the last stage's slot once their output has
-  left it, so the item's first stage is filled before its second). Other arguments as
-  :func:`produce`'s for one set and one producer.
+  half's hand-rolled mbarrier (:func:`jax_mla._mosaic.init_mbarriers`, 128 arrivals);
+  four per-half free barriers; one per slot for its validity row. ``valid``: SMEM
+  int32, a row per slot. The CTA is persistent: ``uses``, how often each slot was
+  filled for its earlier items; ``q_gate``, a function that waits until the query's
+  SMEM is free (the consumers free the query after their last ``S``, and the last
+  stage's slot once their output has left it, so the item's first stage is filled
+  before its second). Other arguments as :func:`produce`'s for one set and one
+  producer.
   """
   q_bar, loaded, free, valid_bar = barriers
   q_gate()
@@ -392,43 +393,6 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
   def _(k):
     for slot, h in _mosaic.PAIR_FILL_ORDER:
       unit(k, slot, h)
-
-
-def init_halves(plgpu, bar_ref):
-  """Initialises :func:`produce_halves`' four mbarriers (SMEM, 8 bytes each from
-  ``bar_ref``'s first, 128 arrivals each: the producer's threads), then waits for every
-  thread of the CTA (call in every warpgroup, before the roles split)."""
-  plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_halves)(bar_ref)
-  _mosaic.cluster_sync(plgpu)
-
-
-def _init_halves(ctx, bar_ref):
-  del ctx
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-  inits = " ".join(f"@p mbarrier.init.shared::cta.b64 [$0+{8 * k}], 128;" for k in range(4))
-  llvm.inline_asm(
-      ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(bar_ref), mgpu.thread_idx()],
-      "{.reg .pred p; setp.eq.u32 p, $1, 0; " + inits + " fence.mbarrier_init.release.cluster;}",
-      "r,r", has_side_effects=True)
-
-
-def wait_half(plgpu, bar_ref, parity: int):
-  """Every thread of the warpgroup waits for phase ``parity`` of a :func:`produce_halves`
-  mbarrier (``bar_ref``: its ``[2]`` uint32 row)."""
-  def body(ctx, ref):
-    del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    llvm.inline_asm(
-        ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(ref)],
-        "{.reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], "
-        f"{parity}; @!done bra WAIT;}}", "r", has_side_effects=True)
-
-  plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(body)(bar_ref)
 
 
 def run_items(body, *, persistent: bool, tokens: int, blocks: int, ring=0):
