@@ -351,7 +351,11 @@ def _arrive(ctx, bar_ref):
 def _load_half(ctx, kv_ref, nope_ref, rope_ref, bar_ref, block, *, half):
   """Half ``half`` of cache block ``block`` (half 1 with the RoPE tile) into its ring
   slot: the warpgroup's first thread arms the hand-rolled mbarrier ``bar_ref`` with the
-  bytes and issues the TMA copies onto it."""
+  bytes and issues the TMA copies onto it.
+
+  Every copy of the cache in a 64-row kernel goes through here: on jax 0.11.2 a Pallas
+  copy of the same window in the same kernel reused this TMA descriptor and failed
+  Mosaic GPU's verification (a shared-memory pointer where a generic one belongs)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
