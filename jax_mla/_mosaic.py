@@ -496,13 +496,6 @@ def half_part(slot, half):
 PAIR_FILL_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
 
 
-def half_barriers(plgpu_mod, ready, free):
-  """``(wait_loaded, release)`` for :func:`consume_pairs` over Pallas barriers, four
-  each (:func:`half_part`)."""
-  return (lambda i, slot, half: plgpu_mod.barrier_wait(ready.at[half_part(slot, half)]),
-          lambda slot, half: plgpu_mod.barrier_arrive(free.at[half_part(slot, half)]))
-
-
 def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, shared, mask,
                   scale: float, has_rope: bool = True, zero_ref=None, query_done=None):
   """The attention loop of a consumer warpgroup in the warp-specialised MLA kernels
@@ -558,8 +551,8 @@ def consume_pairs(plgpu_mod, *, wg, q_main, k_main, rope, steps, barriers, share
     steps: key stages to consume (traced).
     barriers: ``(q_bar, wait_loaded, release)``: the query-loaded barrier;
       ``wait_loaded(i, slot, half)`` waits until that half of stage ``i`` (in ``slot``)
-      is loaded, ``release(slot, half)`` frees it (its one reader is done).
-      :func:`half_barriers` makes the last two.
+      is loaded, ``release(slot, half)`` frees it (its one reader is done); one
+      barrier each per half (:func:`half_part`).
     shared: the ``stats`` SMEM from :func:`pair_scratch`; the warpgroups hand off
       through named barriers 8-12 (:func:`named_barrier`), which the caller leaves
       alone.

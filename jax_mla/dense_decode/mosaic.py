@@ -265,7 +265,6 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       whole stage, or half ``part`` of the main columns (half 1 with the RoPE tile)."""
       slot = lax.rem(i, NUM_STAGES)
       bar = slot if parts == 1 else _mosaic.half_part(slot, part)
-      halves = range(2) if parts == 1 else (part,)
 
       blk = blk0 + i
       pg = bt_ref[bi, blk]  # read before the wait for the slot, which hides its latency
@@ -276,16 +275,13 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
       def _():
         plgpu.barrier_wait(free.at[bar])
 
-      def load(barrier):
+      def load(barrier):  # transposed: the whole stage, _STAGE_COPIES copies
         src_rows = pl.ds(pg * PAGE, PAGE)
-        for h in halves:
+        for h in range(2):
           plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(h * HALF, HALF)],
                                   kv_nope.at[slot, h], barrier)
-        if parts == 1 or part == 1:
-          plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(D_NOPE, D_ROPE)], kv_rope.at[slot],
-                                  barrier)
-        else:  # half 0 completes on two arrivals like half 1
-          plgpu.barrier_arrive(barrier)
+        plgpu.copy_gmem_to_smem(kv_ref.at[src_rows, pl.ds(D_NOPE, D_ROPE)], kv_rope.at[slot],
+                                barrier)
 
       def load_half(mbar):  # 64-row tiles
         tma_half[part](kv_ref, kv_nope.at[slot, part], kv_rope.at[slot], mbar, pg)
@@ -311,7 +307,7 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
                         kv_rope.at[slot])
         plgpu.commit_smem()  # the zeros are read by wgmma (the async proxy)
         if parts == 1:
-          for _ in range(part_arrivals(transposed)):
+          for _ in range(_STAGE_COPIES):
             plgpu.barrier_arrive(ready.at[bar])
         else:
           arrive(mbarrier(bar))
@@ -336,6 +332,9 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 # the warpgroup, and a half's refill took 274 ns from the producer's wake-up to its TMA
 # issue, on the consumers' path for the halves they free last (RESULTS.md, session 34).
 _LOADED_WORD = 8  # 8-byte aligned
+# Transposed tiles: the arrivals that complete a stage's Pallas barrier, the producer's
+# copies (two NoPE halves and the RoPE tile) or its arrivals for a zeroed stage.
+_STAGE_COPIES = 3
 _LOADED_BARRIERS = 2 * NUM_STAGES
 _MBARRIERS = _LOADED_BARRIERS + 2
 
@@ -376,12 +375,6 @@ def _load_half(ctx, kv_ref, nope_ref, rope_ref, bar_ref, block, *, half):
                    gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, barrier=barrier,
                    arrive=False, predicate=leader)
 
-
-def part_arrivals(transposed: bool) -> int:
-  """Arrivals that complete one part of a key stage (the producer's TMA copies, or its
-  arrivals for a zeroed block): two NoPE halves and the RoPE tile for a whole stage;
-  one half and the RoPE tile, or one half and an arrival, for a half."""
-  return 3 if transposed else 2
 
 
 def _zero_rows(ctx, kept_ref, nope_ref, rope_ref, *, halves: int, rope: bool):
@@ -487,15 +480,14 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
       shared_smem,
   )
   parts = NUM_STAGES * (1 if transposed else 2)  # ring parts with their own barriers
-  arrivals = part_arrivals(transposed)
   barriers = (
       plgpu.Barrier(num_arrivals=3),  # query: three TMA copies (2 NoPE halves + RoPE)
       # a part loaded (64-row tiles: the mbarriers in the kernel's words)
-      plgpu.Barrier(num_arrivals=arrivals, num_barriers=parts) if transposed else None,
+      plgpu.Barrier(num_arrivals=_STAGE_COPIES, num_barriers=parts) if transposed else None,
       # A part free: both consumers read a whole stage, one reads a half.
       plgpu.Barrier(num_arrivals=2 if transposed else 1, num_barriers=parts),
       plgpu.Barrier(num_arrivals=2) if transposed else None,  # both consumers done with Q
-      plgpu.Barrier(num_arrivals=arrivals) if transposed else None,  # a partial block's part
+      plgpu.Barrier(num_arrivals=_STAGE_COPIES) if transposed else None,  # a partial stage
       shared_barrier,
   )
   kernel = functools.partial(
