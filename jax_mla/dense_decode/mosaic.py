@@ -332,11 +332,11 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 # the warpgroup, and a half's refill took 274 ns from the producer's wake-up to its TMA
 # issue, on the consumers' path for the halves they free last (RESULTS.md, session 34).
 _LOADED_WORD = 8  # 8-byte aligned
+_LOADED_BARRIERS = 2 * NUM_STAGES
+_MBARRIERS = _LOADED_BARRIERS + 2
 # Transposed tiles: the arrivals that complete a stage's Pallas barrier, the producer's
 # copies (two NoPE halves and the RoPE tile) or its arrivals for a zeroed stage.
 _STAGE_COPIES = 3
-_LOADED_BARRIERS = 2 * NUM_STAGES
-_MBARRIERS = _LOADED_BARRIERS + 2
 
 
 def _arrive(ctx, bar_ref):
@@ -374,7 +374,6 @@ def _load_half(ctx, kv_ref, nope_ref, rope_ref, bar_ref, block, *, half):
                    gmem_slice=(mgpu.ds(row, PAGE), mgpu.ds(col, width)),
                    gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, barrier=barrier,
                    arrive=False, predicate=leader)
-
 
 
 def _zero_rows(ctx, kept_ref, nope_ref, rope_ref, *, halves: int, rope: bool):
