@@ -62,6 +62,14 @@ def register_share(warpgroups: int) -> int:
   return 65536 // (128 * warpgroups) // 8 * 8
 
 
+def register_budget(warpgroups: int) -> int:
+  """The registers per thread that the ``setmaxnreg`` targets of a kernel's
+  ``warpgroups`` must total: each starts with :func:`register_share` and setmaxnreg only
+  moves registers between them, so an increase that the decreases do not cover waits
+  forever (the kernel hangs)."""
+  return warpgroups * register_share(warpgroups)
+
+
 def set_registers(plgpu_mod, registers: int, warpgroups: int) -> None:
   """``setmaxnreg`` to ``registers`` in a kernel of ``warpgroups`` (the direction is
   relative to :func:`register_share`; ptxas rejects a "decrease" that increases)."""

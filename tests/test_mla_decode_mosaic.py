@@ -205,7 +205,12 @@ def test_config():
 @pytest.mark.cpu_only
 def test_config_checks_register_split():
   with pytest.raises(ValueError, match="register split"):
-    mosaic.Config(consumer_registers=240, producer_registers=40)  # 520 > 512
+    mosaic.Config(consumer_registers=240, producer_registers=40)  # 520 > 504
+  with pytest.raises(ValueError, match="register split"):  # 512: would hang
+    mosaic.Config(consumer_registers=240, producer_registers=32)
+  with pytest.raises(ValueError, match="register split"):  # 496: a valid split wastes none
+    mosaic.Config(consumer_registers=224, producer_registers=48)
+  assert mosaic.Config(consumer_registers=240, producer_registers=24)
   with pytest.raises(ValueError, match="register split"):
     mosaic.Config(consumer_registers=230)
 

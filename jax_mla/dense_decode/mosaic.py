@@ -97,7 +97,8 @@ class Config:
     num_splits: KV splits per row tile; ``None`` picks :func:`jax_mla._mosaic.default_num_splits`.
     consumer_registers, producer_registers: per-thread registers of each consumer
       warpgroup and of the producer (``setmaxnreg``: multiples of 8, and
-      ``2 * consumer + producer <= 512`` so three warpgroups fit the register file).
+      ``2 * consumer + producer == 504``, :func:`jax_mla._mosaic.register_budget` of three
+      warpgroups: a split that asks for more hangs the kernel).
       The consumers hold a 64 x 256 float32 accumulator each.
   """
   num_splits: int | None = None
@@ -107,9 +108,11 @@ class Config:
   def __post_init__(self):
     check_num_splits("Config.num_splits", self.num_splits)
     c, p = self.consumer_registers, self.producer_registers
-    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p > 512:
+    budget = _mosaic.register_budget(3)
+    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != budget:
       raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
-                       f"consumer <= 256 and 2 * consumer + producer <= 512; got {c}, {p}")
+                       f"consumer <= 256 and 2 * consumer + producer == {budget} (or the "
+                       f"kernel hangs); got {c}, {p}")
 
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,

@@ -81,7 +81,7 @@ class Config:
     num_stages: SMEM stages of the key ring (2 to 4; 128-key stages of d 192/128 fit 2).
     consumer_registers, producer_registers: per-thread registers of each consumer
       warpgroup and of the producer (``setmaxnreg``: multiples of 8 with ``2 * consumer
-      + producer == 504``, the three warpgroups' share of the register file).
+      + producer == 504``, :func:`jax_mla._mosaic.register_budget` of three warpgroups).
   """
   block_k: int = 128
   num_stages: int = 2
@@ -94,9 +94,10 @@ class Config:
     if not 2 <= self.num_stages <= 4:
       raise ValueError(f"Config.num_stages must be 2, 3 or 4; got {self.num_stages}")
     c, p = self.consumer_registers, self.producer_registers
-    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != 504:
+    budget = _mosaic.register_budget(3)
+    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != budget:
       raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
-                       f"consumer <= 256 and 2 * consumer + producer == 504; got {c}, {p}")
+                       f"consumer <= 256 and 2 * consumer + producer == {budget}; got {c}, {p}")
 
 
 def _smem_bytes(d_qk: int, d_v: int, config: Config, grad: bool = False) -> int:

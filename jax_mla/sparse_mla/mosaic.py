@@ -80,14 +80,6 @@ BLOCK_H = 64  # query heads per CTA: one wgmma M
 MIN_SPLIT_STEPS = 2
 
 
-def register_budget(producers: int, consumers: int = 2) -> int:
-  """The registers per thread that ``consumers * consumer + producers * producer`` must
-  total: each warpgroup starts with an equal share
-  (:func:`jax_mla._mosaic.register_share`) and setmaxnreg only moves registers between
-  them (see Config)."""
-  return (consumers + producers) * _mosaic.register_share(consumers + producers)
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tuning of the Mosaic GPU sparse MLA kernels (results do not depend on it).
@@ -97,10 +89,10 @@ class Config:
       stages fill the 227 KiB of SMEM, so 1 or 2.
     consumer_registers, producer_registers: registers per thread of each consumer
       warpgroup and of each producer (``setmaxnreg``: multiples of 8 in [24, 256]).
-      ``consumers * consumer + producers * producer`` must be :func:`register_budget`
-      (504 with three warpgroups, 512 with two or four): setmaxnreg only moves
-      registers between warpgroups, and the consumers' increase waits forever for
-      registers nobody frees (a hang seen with 224 / 64).
+      ``consumers * consumer + producers * producer`` must be
+      :func:`jax_mla._mosaic.register_budget` (504 with three warpgroups, 512 with two
+      or four): setmaxnreg only moves registers between warpgroups, and the consumers'
+      increase waits forever for registers nobody frees (a hang seen with 224 / 64).
     producers: producer warpgroups, each gathering every ``producers``-th step (its own
       step's loads in flight); 2 needs ``num_stages`` 2 and the transposed kernel (``h_q``
       up to 32, see :func:`transposed`), whose consumers need fewer registers.
@@ -147,7 +139,7 @@ class Config:
       raise ValueError(f"num_splits must be None or >= 1; got {self.num_splits}")
     if self.consumers not in (1, 2):
       raise ValueError(f"consumers must be 1 or 2; got {self.consumers}")
-    budget = register_budget(self.producers, self.consumers)
+    budget = _mosaic.register_budget(self.producers + self.consumers)
     c, p = self.consumers, self.producers
     if c * self.consumer_registers + p * self.producer_registers != budget:
       raise ValueError(
@@ -309,10 +301,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
     def loaded_after(uses):
       def wait_loaded(i, slot, half):  # stage i is slot's (uses[slot] + i // 2)-th fill
-        bar = loaded(_mosaic.half_part(slot, half))
-        parity = lax.rem(uses[slot] + lax.div(i, 2), 2)
-        for p in range(2):
-          pl.when(parity == p)(lambda p=p: _mosaic.wait_parity(plgpu, bar, p))
+        _mosaic.wait_parity(plgpu, loaded(_mosaic.half_part(slot, half)),
+                            lax.rem(uses[slot] + lax.div(i, 2), 2))
 
       return wait_loaded
 
