@@ -142,15 +142,14 @@ def _case_sets(case: Case):
   return sets, flops, kv_bytes
 
 
-def side_by_side(fm, case: Case, sets, figure) -> Row:
+def side_by_side(fm, case: Case, sets, figure) -> list[Row]:
   """The public op (its default kernel) and FlashMLA on the same input sets with the
   same timer (benchmarks/flashmla_peer.py), after comparing their outputs."""
   ours = jax.jit(mla_decode_paged)
   meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes and lengths
   theirs = [flashmla_peer.dense_decode(fm, meta, *s) for s in sets]
-  us, peer_us = flashmla_peer.compare_and_time(case.name, ours, theirs, sets, lse_at=1)
-  return Row("mla_decode_paged vs FlashMLA", case.name, us, figure(us), case.unit,
-             figure(peer_us), flashmla_peer.NAME, device_name())
+  t = flashmla_peer.compare_and_time(case.name, ours, theirs, sets, lse_at=1)
+  return flashmla_peer.rows("mla_decode_paged vs FlashMLA", case.name, t, figure, case.unit)
 
 
 def run(cases=CASES, *, only_side_by_side: bool = False) -> Iterator[Row]:
@@ -169,7 +168,7 @@ def run(cases=CASES, *, only_side_by_side: bool = False) -> Iterator[Row]:
     def figure(us, case=case, flops=flops, kv_bytes=kv_bytes):
       return flops / us / 1e6 if case.unit == "TFLOP/s" else kv_bytes / us / 1e6
     if fm is not None:
-      yield side_by_side(fm, case, sets, figure)
+      yield from side_by_side(fm, case, sets, figure)
     if only_side_by_side:
       continue
     ref = mla_decode_paged(*sets[0], implementation="xla")

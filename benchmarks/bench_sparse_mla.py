@@ -301,7 +301,7 @@ def _padded_heads(spec, sets):
   return [pad_set(*s) for s in sets], keep
 
 
-def side_by_side(fm, name: str, spec, sets, flop: float) -> Row:
+def side_by_side(fm, name: str, spec, sets, flop: float) -> list[Row]:
   """The public op (its default kernel) and FlashMLA on the same input sets with the
   same timer (benchmarks/flashmla_peer.py), after comparing their outputs. Head counts
   FlashMLA does not take run padded to 64 heads on its side (:func:`_padded_heads`)."""
@@ -316,9 +316,9 @@ def side_by_side(fm, name: str, spec, sets, flop: float) -> Row:
     theirs = [flashmla_peer.sparse_decode(fm, meta, *s, kv_cache_dtype=spec.dtype)
               for s in peer_sets]
     lse_at = 1
-  us, peer_us = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at, keep=keep)
-  return Row("sparse_mla vs FlashMLA", name, us, flop / us / 1e6, "TFLOP/s",
-             flop / peer_us / 1e6, flashmla_peer.NAME, device_name())
+  t = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at, keep=keep)
+  return flashmla_peer.rows("sparse_mla vs FlashMLA", name, t, lambda us: flop / us / 1e6,
+                            "TFLOP/s")
 
 
 def run(rows=ROWS, *, only_side_by_side: bool = False) -> list[Row]:
@@ -369,7 +369,7 @@ def run(rows=ROWS, *, only_side_by_side: bool = False) -> list[Row]:
       else:  # a prefill row whose peer is measured side by side only
         out.append(Row(op, name, us, flop / us / 1e6, "TFLOP/s", None, "", dev))
     if fm is not None and (spec.anchor is not None or name in TP_ROWS or name in SMALL_ROWS):
-      out.append(side_by_side(fm, name, spec, sets, flop))
+      out.extend(side_by_side(fm, name, spec, sets, flop))
     del sets
   return out
 

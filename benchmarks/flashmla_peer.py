@@ -4,8 +4,9 @@ Where ``flash_mla`` (FlashMLA built from its public source; its last Hopper rele
 imports on a CUDA machine, the sparse and dense MLA benchmarks time each row for both
 libraries in one process. FlashMLA reads our arrays through DLPack without a copy
 (caches as FlashMLA's views of the same bytes), its outputs are compared with ours,
-then both are timed by ``benchmarks.harness.time_calls_us``. Nothing of FlashMLA is in
-this repository; put its package on ``PYTHONPATH`` to enable the mode.
+then both are timed by ``benchmarks.harness.time_side_by_side`` (wall clock, and GPU
+time from a CUPTI trace). Nothing of FlashMLA is in this repository; put its package on
+``PYTHONPATH`` to enable the mode.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import importlib
 
 import jax
 
-from benchmarks.harness import check_close, rel_err, sync_jax, sync_torch, time_calls_us
+from benchmarks.harness import (
+  Row,
+  SideBySide,
+  check_close,
+  device_name,
+  rel_err,
+  time_side_by_side,
+)
 from jax_mla.cache.model1 import MODEL1
 
 NAME = "FlashMLA (same run)"
@@ -85,20 +93,27 @@ def from_torch(t):
   return to_jax(t.contiguous())
 
 
-def compare_and_time(name: str, ours, theirs, sets, lse_at: int, keep=None
-                     ) -> tuple[float, float]:
+def compare_and_time(name: str, ours, theirs, sets, lse_at: int, keep=None) -> SideBySide:
   """``ours`` (a jitted op over a set) against ``theirs`` (one FlashMLA call per set):
   outputs compared on the first set (``out`` asserted, ``lse`` at ``lse_at`` printed;
   ``keep``, where given, selects the part of FlashMLA's outputs that is ours: its
-  padding heads dropped), then both timed by ``time_calls_us``. Returns (our us,
-  FlashMLA us) per call."""
+  padding heads dropped), then both timed by ``time_side_by_side``."""
   got, peer = ours(*sets[0]), [from_torch(t) for t in theirs[0]()]
   if keep is not None:
     peer = keep(peer)
   check_close(f"{name}: ours vs FlashMLA out", got[0], peer[0])
   lse_err = rel_err(got[lse_at], peer[lse_at])
-  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
-  peer_us = time_calls_us(theirs, sync_torch)
-  print(f"side by side {name}: ours {us:.1f} us, FlashMLA {peer_us:.1f} us, "
-        f"FlashMLA/ours {peer_us / us:.3f}, lse rel err {lse_err:.1e}", flush=True)
-  return us, peer_us
+  t = time_side_by_side([functools.partial(ours, *s) for s in sets], theirs)
+  print(f"side by side {name}: {t.summary('FlashMLA')}; lse rel err {lse_err:.1e}", flush=True)
+  return t
+
+
+def rows(op: str, config: str, t: SideBySide, figure, unit: str) -> list[Row]:
+  """The row of the wall-clock times, then (where read) the row of the GPU times;
+  ``figure(us)`` is the row's headline figure in ``unit``."""
+  dev = device_name()
+  out = [Row(op, config, t.ours, figure(t.ours), unit, figure(t.peer), NAME, dev)]
+  if t.ours_gpu is not None and t.peer_gpu is not None:
+    out.append(Row(f"{op} (GPU time)", config, t.ours_gpu, figure(t.ours_gpu), unit,
+                   figure(t.peer_gpu), NAME, dev))
+  return out

@@ -99,6 +99,71 @@ def time_calls_us(calls, sync, *, reps: int = 10) -> float:
   return 1e6 * float(np.median(times)) / len(calls)
 
 
+@dataclasses.dataclass(frozen=True)
+class SideBySide:
+  """Per-call times of one row for jax-mla and its peer, in microseconds: wall clock by
+  :func:`time_calls_us`, GPU time by :func:`gpu_pass_us` (None where it cannot be read)."""
+  ours: float
+  peer: float
+  ours_gpu: float | None
+  peer_gpu: float | None
+
+  def summary(self, peer: str) -> str:
+    """Both libraries' times and ``peer``'s time over ours, wall clock then GPU time."""
+    line = (f"ours {self.ours:.1f} us, {peer} {self.peer:.1f} us, "
+            f"{peer}/ours {self.peer / self.ours:.3f}")
+    if self.ours_gpu is None or self.peer_gpu is None:
+      return line + "; GPU time not read"
+    return (line + f"; GPU time ours {self.ours_gpu:.1f} us, {peer} {self.peer_gpu:.1f} us, "
+            f"{self.peer_gpu / self.ours_gpu:.3f}")
+
+
+def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
+  """Times ``ours`` (zero-argument jitted JAX calls, one per input set) and ``peer`` (the
+  same calls of a torch library) with the same timers: :func:`time_calls_us`, then the
+  median over ``gpu_passes`` of :func:`gpu_pass_us`, the two libraries' passes taken in
+  turn so that a drifting clock weighs on both alike."""
+  wall = time_calls_us(ours, sync_jax), time_calls_us(peer, sync_torch)
+  gpu = [], []
+  for _ in range(gpu_passes):
+    for spans, calls, sync in zip(gpu, (ours, peer), (sync_jax, sync_torch), strict=True):
+      spans.append(gpu_pass_us(calls, sync))
+  if any(None in spans for spans in gpu):
+    return SideBySide(*wall, None, None)
+  return SideBySide(*wall, *(float(np.median(spans)) for spans in gpu))
+
+
+def gpu_pass_us(calls, sync) -> float | None:
+  """GPU time per call of one pass of ``calls`` dispatched back to back, as in
+  :func:`time_calls_us`: the span of the pass's device work (first kernel start to
+  last kernel end, the gaps between kernels included), read from a CUPTI trace through
+  torch.profiler, over the number of calls. None without a CUDA torch, or where the
+  trace holds fewer kernels than calls.
+
+  The wall timer also holds the host's latency once a pass: dispatch to the first
+  kernel, and the last kernel to the sync's return. For a jitted JAX op on the H100
+  machine's host that came to 20-40 us a call at 16 calls a pass, against about 10 for
+  a torch op (RESULTS.md, session 35); this figure leaves it out for both.
+  """
+  import tempfile
+
+  import torch
+  if SMOKE or not torch.cuda.is_available():
+    return None
+  sync([c() for c in calls])  # warm, and nothing of an earlier pass left in flight
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    sync([c() for c in calls])
+  with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    prof.export_chrome_trace(f.name)
+    with open(f.name) as trace:
+      events = [e for e in json.load(trace)["traceEvents"] if e.get("ph") == "X"
+                and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+  if sum(e["cat"] == "kernel" for e in events) < len(calls):
+    return None
+  span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+  return span / len(calls)
+
+
 def sync_jax(outs):
   jax.block_until_ready(outs)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from benchmarks.harness import check_close, sync_jax, sync_torch, time_calls_us
+from benchmarks.harness import SideBySide, check_close, time_side_by_side
 
 NAME = "seed Triton (same run)"
 
@@ -253,19 +253,16 @@ def launch(query, key_cache, value_cache, block_table, seq_lens, *, scale, k_sca
   return call
 
 
-def compare_and_time(name: str, ours, sets, launch, *, use_sinks: bool, **kw
-                     ) -> tuple[float, float]:
+def compare_and_time(name: str, ours, sets, launch, *, use_sinks: bool, **kw) -> SideBySide:
   """``ours`` (a jitted op over a set ``(q, kc, vc, bt, sl, sinks)``) against the seed
   kernel on the same arrays (``kw``: its ``scale``, ``k_scale``, ``v_scale`` and
   ``sliding_window``; ``use_sinks``: pass the set's sinks): outputs compared on the
-  first set, then both timed by ``time_calls_us``. Returns (our us, seed us) per call."""
+  first set, then both timed by ``time_side_by_side``."""
   from torch_bridge import to_jax, to_torch
   theirs = [launch(*map(to_torch, (q, kc, vc, bt, sl)),
                    sinks=to_torch(sinks) if use_sinks else None, **kw)
             for q, kc, vc, bt, sl, sinks in sets]
   check_close(f"{name}: ours vs the seed", ours(*sets[0]), to_jax(theirs[0]()))
-  us = time_calls_us([functools.partial(ours, *s) for s in sets], sync_jax)
-  seed_us = time_calls_us(theirs, sync_torch)
-  print(f"side by side {name}: ours {us:.1f} us, seed {seed_us:.1f} us, "
-        f"seed/ours {seed_us / us:.2f}", flush=True)
-  return us, seed_us
+  t = time_side_by_side([functools.partial(ours, *s) for s in sets], theirs)
+  print(f"side by side {name}: {t.summary('seed')}", flush=True)
+  return t
