@@ -133,13 +133,10 @@ def run(workloads=WORKLOADS, *, only_side_by_side: bool = False,
       t = seed_paged_peer.compare_and_time(
           config, jax.jit(fn), sets, seed, use_sinks=w.sinks, scale=args[0].shape[-1] ** -0.5,
           k_scale=w.k_scale, v_scale=w.k_scale, sliding_window=w.window)
-      timed = [("", t.ours, t.peer)]
-      if t.ours_gpu is not None and t.peer_gpu is not None:
-        timed.append((" (GPU time)", t.ours_gpu, t.peer_gpu))
-      for kind, us, seed_us in timed:
-        yield Row(f"paged_attention vs seed{kind}", config, us, us, "us", seed_us,
+      for label, us, seed_us in t.measures():
+        yield Row(f"paged_attention vs seed{label}", config, us, us, "us", seed_us,
                   seed_paged_peer.NAME, dev)
-        yield Row(f"paged_attention vs seed{kind}", f"{config} (K+V bandwidth)", us,
+        yield Row(f"paged_attention vs seed{label}", f"{config} (K+V bandwidth)", us,
                   kv_bytes / us / 1e6, "TB/s", kv_bytes / seed_us / 1e6,
                   seed_paged_peer.NAME, dev)
     if only_side_by_side:

@@ -112,8 +112,5 @@ def rows(op: str, config: str, t: SideBySide, figure, unit: str) -> list[Row]:
   """The row of the wall-clock times, then (where read) the row of the GPU times;
   ``figure(us)`` is the row's headline figure in ``unit``."""
   dev = device_name()
-  out = [Row(op, config, t.ours, figure(t.ours), unit, figure(t.peer), NAME, dev)]
-  if t.ours_gpu is not None and t.peer_gpu is not None:
-    out.append(Row(f"{op} (GPU time)", config, t.ours_gpu, figure(t.ours_gpu), unit,
-                   figure(t.peer_gpu), NAME, dev))
-  return out
+  return [Row(f"{op}{label}", config, ours, figure(ours), unit, figure(peer), NAME, dev)
+          for label, ours, peer in t.measures()]

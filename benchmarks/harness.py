@@ -108,14 +108,19 @@ class SideBySide:
   ours_gpu: float | None
   peer_gpu: float | None
 
+  def measures(self) -> list[tuple[str, float, float]]:
+    """``(label, ours, peer)``: the wall clock (label ""), then the GPU time (label
+    " (GPU time)") where it was read."""
+    out = [("", self.ours, self.peer)]
+    if self.ours_gpu is not None and self.peer_gpu is not None:
+      out.append((" (GPU time)", self.ours_gpu, self.peer_gpu))
+    return out
+
   def summary(self, peer: str) -> str:
     """Both libraries' times and ``peer``'s time over ours, wall clock then GPU time."""
-    line = (f"ours {self.ours:.1f} us, {peer} {self.peer:.1f} us, "
-            f"{peer}/ours {self.peer / self.ours:.3f}")
-    if self.ours_gpu is None or self.peer_gpu is None:
-      return line + "; GPU time not read"
-    return (line + f"; GPU time ours {self.ours_gpu:.1f} us, {peer} {self.peer_gpu:.1f} us, "
-            f"{self.peer_gpu / self.ours_gpu:.3f}")
+    parts = [f"{label.strip(' ()') or 'wall'}: ours {ours:.1f} us, {peer} {theirs:.1f} us, "
+             f"{peer}/ours {theirs / ours:.3f}" for label, ours, theirs in self.measures()]
+    return "; ".join(parts) + ("" if len(parts) > 1 else "; GPU time not read")
 
 
 def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
@@ -150,7 +155,7 @@ def gpu_pass_us(calls, sync) -> float | None:
   import torch
   if SMOKE or not torch.cuda.is_available():
     return None
-  sync([c() for c in calls])  # warm, and nothing of an earlier pass left in flight
+  sync([c() for c in calls])  # an untraced pass first, as time_calls_us warms up
   with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     sync([c() for c in calls])
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
