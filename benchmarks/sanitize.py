@@ -165,9 +165,14 @@ def dense_decode(impl):
     for j in range(n):
       cache[bt[i, j], : min(page, s - j * page)] = rng.standard_normal((min(page, s - j * page), d))
     bt[i, n:] = BAD[np.arange(max_blocks - n) % BAD.size]
+  cache, bt, seqlens = jnp.asarray(cache, jnp.bfloat16), jnp.asarray(bt), jnp.asarray(seqlens)
   q = jnp.asarray(rng.standard_normal((b, 1, 64, d)) / 3, jnp.bfloat16)
-  yield mla_decode_paged(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(bt),
-                         jnp.asarray(seqlens), causal=False, implementation=impl)[0]
+  yield mla_decode_paged(q, cache, bt, seqlens, causal=False, implementation=impl)[0]
+  # Two query tokens in one split: the Mosaic GPU kernel stores the LSE row by row (the
+  # empty request's is +inf, so only the output is checked for finiteness).
+  q = jnp.asarray(rng.standard_normal((b, 2, 64, d)) / 3, jnp.bfloat16)
+  yield mla_decode_paged(q, cache, bt, seqlens, causal=True, num_kv_splits=1,
+                         implementation=impl)[0]
 
 
 def dense_prefill(impl):

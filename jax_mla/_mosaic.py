@@ -416,29 +416,37 @@ def consume_stages(plgpu_mod, *, wg, q_main, q_rope, k_main, k_rope, steps, barr
   return acc, m, l
 
 
-def store_heads(plgpu_mod, src_ref, dst_ref, *, count: int, stride: int) -> None:
-  """Per-head float32 results in a decode's LSE layout ``[b, h_q, s_q]``: thread ``i <
-  count`` of the warpgroup copies ``src_ref[i]`` (SMEM, written before a
-  ``commit_smem``) to element ``i * stride`` of GMEM from ``dst_ref``'s first (a TMA
-  cannot: its rows there would be 4 bytes)."""
+def store_lse_rows(plgpu_mod, src_ref, dst_ref, first_row, *, count: int) -> None:
+  """Per-row float32 results in a decode's LSE layout: ``dst_ref`` is one request's
+  ``[heads, query_len]`` (FlashMLA's ``[b, h_q, s_q]`` LSE at ``b``), and thread ``i`` of
+  the warpgroup below ``count`` copies ``src_ref[i]`` (SMEM, written before a
+  ``commit_smem``) of query row ``first_row + i = token * heads + head`` (traced int32)
+  to ``dst_ref[head, token]``; rows past ``heads * query_len`` (a tile's padding) are
+  not stored. A TMA cannot: its rows there would be 4 bytes."""
+  heads, query_len = dst_ref.shape
 
-  def body(ctx, src, dst):
+  def body(ctx, src, dst, first):
     del ctx
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    tid = arith.remui(mgpu.thread_idx(), _inline.const(128))
-    src_at = _inline.at(mgpu_utils.memref_ptr(src), arith.muli(tid, _inline.const(4)))
-    dst_at = _inline.at(_inline.global_ptr(dst), arith.extui(
-        _inline.int_type(64), arith.muli(tid, _inline.const(4 * stride))))
-    llvm.inline_asm(_inline.void(), [src_at, dst_at, tid],
+    c = _inline.const
+    tid = arith.remui(mgpu.thread_idx(), c(128))
+    row = arith.addi(first.registers.item(), tid)
+    element = arith.addi(arith.muli(arith.remui(row, c(heads)), c(query_len)),
+                         arith.divui(row, c(heads)))
+    src_at = _inline.at(mgpu_utils.memref_ptr(src), arith.muli(tid, c(4)))
+    dst_at = _inline.at(_inline.global_ptr(dst),
+                        arith.extui(_inline.int_type(64), arith.muli(element, c(4))))
+    llvm.inline_asm(_inline.void(), [src_at, dst_at, tid, row],
                     "{.reg .pred p; .reg .f32 v; setp.lt.u32 p, $2, "
-                    f"{count}; @p ld.shared.f32 v, [$0]; @p st.global.f32 [$1], v;}}",
-                    "r,l,r", has_side_effects=True)
+                    f"{count}; setp.lt.and.u32 p, $3, {heads * query_len}, p; "
+                    "@p ld.shared.f32 v, [$0]; @p st.global.f32 [$1], v;}",
+                    "r,l,r,r", has_side_effects=True)
 
-  plgpu_mod.inline_mgpu(arg_types=(plgpu_mod.RefType(), plgpu_mod.RefType()))(body)(
-      src_ref, dst_ref)
+  plgpu_mod.inline_mgpu(arg_types=(plgpu_mod.RefType(), plgpu_mod.RefType(),
+                                   scalar_arg(plgpu_mod)))(body)(src_ref, dst_ref, first_row)
 
 
 # consume_pairs' hand-offs between its two warpgroups are PTX named barriers over both

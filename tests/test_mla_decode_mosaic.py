@@ -103,9 +103,11 @@ def test_edge_lengths(h_q, num_kv_splits, sm_scale):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_two_queries(causal):
+@pytest.mark.parametrize("num_kv_splits", [None, 1])
+def test_two_queries(causal, num_kv_splits):
+  # One split: the kernel writes the LSE as [b, h_q, s_q] itself, a row per thread.
   args = _case(np.random.default_rng(7), 2, 128, [0, 1, 2, 65, 130, 511])
-  _check(args, causal=causal)
+  _check(args, causal=causal, num_kv_splits=num_kv_splits)
 
 
 @pytest.mark.gpu
@@ -126,7 +128,8 @@ def test_transposed_and_padded_edge_lengths(h_q, num_kv_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("s_q,h_q,num_kv_splits", [(2, 16, 1), (3, 40, 2), (2, 24, 3)])
+@pytest.mark.parametrize("s_q,h_q,num_kv_splits", [(2, 16, 1), (3, 40, 2), (3, 40, 1),
+                                                   (2, 24, 3)])
 def test_causal_tiles_span_tokens(s_q, h_q, num_kv_splits):
   # Tiles holding rows of two query tokens, each masked at its own length: transposed
   # (2 x 16 rows), padded 64-row tiles (3 x 40, 2 x 24 rows).

@@ -267,16 +267,18 @@ def mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float
                                                max_blocks=max_blocks)))
   out, lse = _mla_decode_paged(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale,
                                causal=bool(causal), config=config, interpret=interpret)
-  return out, lse.transpose(0, 2, 1)  # FlashMLA's [b, h_q, s_q]
+  return out, lse
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config", "interpret"))
 def _mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, config,
                       interpret):
-  """Token-major ``(out [b, s_q, h_q, 512], lse [b, s_q, h_q])``."""
+  """``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])`` (FlashMLA's LSE layout: the
+  Mosaic GPU kernel writes it so)."""
   if config is None:
-    return ref.mla_decode_paged_reference(q, kv_cache, block_table, cache_seqlens,
-                                          sm_scale=sm_scale, causal=causal)
+    out, lse = ref.mla_decode_paged_reference(q, kv_cache, block_table, cache_seqlens,
+                                              sm_scale=sm_scale, causal=causal)
+    return out, lse.transpose(0, 2, 1)
   if isinstance(config, mosaic.Config):
     return mosaic.paged_decode(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale,
                                causal=causal, config=config)
@@ -286,7 +288,7 @@ def _mla_decode_paged(q, kv_cache, block_table, cache_seqlens, *, sm_scale, caus
       q.reshape(b * s_q * h_q, D_QK), kv_cache, meta, block_table.reshape(-1),
       triton.kernel_scales(sm_scale), h_q=h_q, rows_per_group=s_q * h_q, causal=causal,
       config=config, out_dtype=q.dtype, interpret=interpret)
-  return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q)
+  return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)
 
 
 def mla_ragged_paged_attention(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens,

@@ -117,6 +117,9 @@ class Config:
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,
                    plgpu, s_q, h_q, tiles, num_blocks, num_splits, causal, scale, registers):
+  """One CTA: a row tile of request ``b`` and KV split ``s``. Without splits the LSE
+  leaves in FlashMLA's ``[b, h_q, s_q]`` (``lse_ref``), one row per thread; with them,
+  each split's LSE leaves as its tile's row of floats for the combine."""
   q_nope, q_rope, kv_nope, kv_rope, p_t, lse_smem, words, p_stats = smem
   kept_rows = words.at[pl.ds(0, 1)]
   # 64-row tiles: the ring halves' "loaded" mbarriers, then a partial block's halves'
@@ -239,7 +242,10 @@ def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barrier
 
     @pl.when(wg == 0)
     def _():
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, bi * tiles + tile])
+      if num_splits == 1:
+        _mosaic.store_lse_rows(plgpu, lse_smem, lse_ref.at[bi], first_row, count=rows)
+      else:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, bi * tiles + tile])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -449,8 +455,8 @@ def with_defaults(config: Config | None, *, num_kv_splits: int | None, batch: in
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "config"))
 def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, config: Config):
   """Runs the kernel; inputs validated by :func:`jax_mla.dense_decode.mla_decode_paged`
-  and :func:`check_supported`, ``config.num_splits`` set. Returns token-major
-  ``(out [b, s_q, h_q, 512] bf16, lse f32[b, s_q, h_q])``."""
+  and :func:`check_supported`, ``config.num_splits`` set. Returns ``(out [b, s_q, h_q,
+  512] bf16, lse f32[b, h_q, s_q])``, the LSE in FlashMLA's layout."""
   plgpu = _mosaic.plgpu()
   num_splits = config.num_splits
   b, s_q, h_q, _ = q.shape
@@ -502,7 +508,8 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
                   barriers, collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((num_splits, b * padded, D_NOPE), jnp.bfloat16),
-              jax.ShapeDtypeStruct((num_splits, b * tiles, vector_row), jnp.float32))
+              jax.ShapeDtypeStruct((b, h_q, s_q) if num_splits == 1
+                                   else (num_splits, b * tiles, vector_row), jnp.float32))
   out, lse = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type},
       # The row tiles of one request are adjacent in launch order (the last grid axis
@@ -513,11 +520,11 @@ def paged_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale, causal, c
           # cross-warp reductions would leave no room for the four RoPE tiles.
           approx_math=True, **({} if transposed else {"reduction_scratch_bytes": 0})),
   )(cache_seqlens, block_table, q.reshape(b * padded, D_QK), kv_cache.reshape(-1, D_QK))
-  if num_splits == 1:
-    out, lse = out[0], lse[0, :, :rows]
+  if num_splits == 1:  # the LSE is FlashMLA's [b, h_q, s_q] already
+    out = out[0]
   else:  # bf16 partials (they are staged in the query's SMEM), float32 merge; the
     # combine reads the padded LSE rows as they are (no slice copies between kernels)
     out, _, lse = merge_mosaic.combine(out, lse, lse, None, heads=1)
+    lse = lse.reshape(b, padded)[:, :q_rows].reshape(b, s_q, h_q).transpose(0, 2, 1)
   out = out.reshape(b, padded, D_NOPE)[:, :q_rows]
-  lse = lse.reshape(b, padded)[:, :q_rows]
-  return out.reshape(b, s_q, h_q, D_NOPE), lse.reshape(b, s_q, h_q)
+  return out.reshape(b, s_q, h_q, D_NOPE), lse

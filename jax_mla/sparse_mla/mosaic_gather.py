@@ -158,10 +158,10 @@ def load_sinks(plgpu, sink_ref, h0, count: int, layout):
 def store_decode_lse(plgpu, src_ref, lse_ref, *, t, h0, count: int, query_len: int):
   """Token ``t``'s per-head LSE ``src_ref[:count]`` (SMEM, after a ``commit_smem``) for
   heads ``h0 ..`` into FlashMLA's decode LSE ``lse_ref[b, h_q, query_len]`` (4-byte rows:
-  :func:`jax_mla._mosaic.store_heads`, not a TMA)."""
+  :func:`jax_mla._mosaic.store_lse_rows`, not a TMA)."""
   b, s = lax.div(t, query_len), lax.rem(t, query_len)
-  _mosaic.store_heads(plgpu, src_ref, lse_ref.at[b, pl.ds(h0, count), pl.ds(s, 1)],
-                      count=count, stride=query_len)
+  _mosaic.store_lse_rows(plgpu, src_ref, lse_ref.at[b], s * lse_ref.shape[1] + h0,
+                         count=count)
 
 
 def first_steps(len_ref, request, idx_refs, gathers):
