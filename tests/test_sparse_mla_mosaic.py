@@ -21,6 +21,7 @@ from sparse_cases import decode_inputs, random_indices
 from jax_mla import _mosaic
 from jax_mla.cache.formats import resolve
 from jax_mla.sparse_mla import mosaic, sparse_mla_decode, sparse_mla_prefill
+from jax_mla.sparse_mla.mosaic_gather import tail_parts
 
 
 def _rows(rng, num_slots, d_qk, idx):
@@ -54,6 +55,7 @@ def _check(q, kv, idx, config=None, **kw):
   np.testing.assert_allclose(lse[~empty], r_lse[~empty], rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(ml[~empty], r_ml[~empty], rtol=1e-4, atol=1e-5)
   assert np.all(out[empty] == 0)
+  return out, r_out
 
 
 # The prefill tests share s_q 8 and s_kv 512; topk, heads, d_qk and which optional inputs
@@ -284,6 +286,24 @@ def test_prefill_more_tokens_than_sms(d_qk, h_q):
   lengths = jnp.asarray(rng.integers(-1, 200, s_q), jnp.int32)
   sink = jnp.asarray(rng.standard_normal(h_q), jnp.float32)
   _check(q, kv, idx, topk_length=lengths, attn_sink=sink)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_prefill_tail_shares(d_qk):
+  """16 heads over the SMs' count plus 3 tokens: the last 3 tokens are taken in shares
+  of their 10 key steps by CTAs that would idle, then combined: one token without keys,
+  one whose 5 keys fall in one share, one full, under +-inf and finite sinks."""
+  rng = np.random.default_rng(d_qk)
+  s_q, topk = _mosaic.num_sms() + 3, 640
+  q, kv, idx = _case(rng, s_q, 16, d_qk, S_KV, topk)
+  lengths = rng.integers(0, topk + 1, s_q)
+  lengths[-3:] = 0, 5, topk
+  sink = rng.standard_normal(16).astype(np.float32)
+  sink[::5], sink[1::5] = np.inf, -np.inf
+  out, ref = _check(q, kv, idx, topk_length=jnp.asarray(lengths, jnp.int32),
+                    attn_sink=jnp.asarray(sink))
+  assert rel_err(out[-2:], ref[-2:]) < 1e-2  # the tail tokens with keys, on their own
 
 
 @pytest.mark.gpu
@@ -589,3 +609,28 @@ def test_gpu_mosaic_combine_matches_combine_splits(pitch):
   np.testing.assert_array_equal(np.asarray(got[0], np.float32)[20], 0)
   np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(got[1]), mx.max(0))
+
+
+def test_tail_parts():
+  """A persistent grid's last items share out to the CTAs that would idle, in at most
+  one share a key step, where they leave more than half the last round idle."""
+  assert tail_parts(4096, 132, 32) == (4, 32)
+  assert tail_parts(4096, 132, 16) == (4, 16)
+  assert tail_parts(4092, 132, 32) == (0, 1)  # whole rounds
+  assert tail_parts(256, 132, 32) == (0, 1)  # 124 of 132 in the last round
+  assert tail_parts(140, 132, 1) == (0, 1)  # one step an item: nothing to share
+  assert tail_parts(200, 132, 8) == (0, 1)  # 68 of 132: more than half full
+  assert tail_parts(180, 132, 8) == (48, 2)
+
+
+def test_prefill_tail_shares_lower():
+  """A 16-head prefill whose tokens leave a short last round (the SMs plus 5) lowers
+  for CUDA with the tail items' shares and their combine: two Mosaic GPU kernels."""
+  s = jax.ShapeDtypeStruct
+  tokens = _mosaic.num_sms() + 5
+  text = lowers_for_cuda(
+      lambda q, kv, idx, sink, lens: mosaic.sparse_prefill(
+          q, kv, idx, sink, lens, sm_scale=0.1, config=mosaic.default_config(None, 16)),
+      s((tokens, 16, 576), jnp.bfloat16), s((1000, 576), jnp.bfloat16),
+      s((tokens, 256), jnp.int32), s((16,), jnp.float32), s((tokens,), jnp.int32)).as_text()
+  assert text.count("mosaic_gpu_v2") == 2

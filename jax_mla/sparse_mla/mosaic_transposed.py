@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic, _softmax, merge_mosaic
-from jax_mla._common import LOG2E, num_sms
+from jax_mla._common import LOG2E, cdiv, num_sms
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
   D_MAIN,
@@ -63,11 +63,12 @@ from jax_mla.sparse_mla.mosaic_gather import (
   run_items,
   split_steps,
   store_decode_lse,
+  tail_parts,
 )
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits, query_len, direct_lse, persistent):
+            scale, tokens, splits, query_len, direct_lse, persistent, tail):
   """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
   their caches, then the outputs (``O``
@@ -77,10 +78,13 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request.
   ``persistent``: the grid is one CTA per SM (axis ``"p"``), each taking the (token,
   head block) items ``p, p + ctas, ...`` with its ring running on from one item into
-  the next (:func:`.mosaic_gather.run_items`)."""
+  the next (:func:`.mosaic_gather.run_items`); ``tail`` ``(r, parts)``: its last ``r``
+  items are taken in ``parts`` shares, whose results (no sink applied) go to three more
+  outputs, share ``j`` of tail item ``i`` at row ``j * r + i``: ``O`` ``[parts * r *
+  heads, 512]``, max logits and LSE ``[parts * r, max(heads, 32)]``."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
-  o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
+  o_ref, ml_ref, lse_ref, *tail_refs, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, p_t, stats, p_stats = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
   q_free = q_free[0] if persistent else None  # a query buffer is free again
@@ -91,10 +95,15 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   consumers = config.consumers
   warpgroups = consumers + config.producers
 
-  def item(t, h):
-    """Token ``t``, head block ``h``: ``(first query row, request, first, base)``."""
+  def item(t, h, share=None):
+    """Token ``t``, head block ``h`` (``share`` of it: a tail item's, or -1 for all):
+    ``(first query row, request, first, base)``."""
     request = t if query_len is None else lax.div(t, query_len)
-    first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers), splits)
+    first = first_steps(len_ref, request, idx_refs, gathers)
+    if share is None:
+      first, base = split_steps(first, splits)
+    else:
+      first, base = split_steps(first, tail[1], share)
     return t * h_pad + h * heads, request, first, base
 
   def key_mask(slot):
@@ -104,40 +113,57 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     return apply
 
-  def finish(t, h, q, halves, m, l):
+  def finish(t, h, q, halves, m, l, share=None):
     """The epilogue once the consumers are done with the item's query buffer ``q``: its
     halves stage O (O^T stored transposed). This consumer writes the output halves
     ``halves`` (``(half, acc)`` pairs) and the per-head rows it owns: all with one
-    consumer; with two, consumer 0 the max logits and consumer 1 the LSE."""
+    consumer; with two, consumer 0 the max logits and consumer 1 the LSE. A tail
+    item's share (``share >= 0``) goes to the tail outputs, its sink left to the
+    combine."""
     r0, h0 = t * h_pad + h * heads, h * heads
-    o_rows = pl.ds(part * tokens * h_pad + r0, heads)
-    block = (part * tokens + t) * blocks + h
     owner = (lambda k: lambda f: f()) if consumers == 1 else (lambda k: pl.when(wg == k))
-    sink = load_sinks(plgpu, sink_ref, h0, heads, _mosaic.col_layout(plgpu))
+    col = _mosaic.col_layout(plgpu)
+    sink = load_sinks(plgpu, sink_ref, h0, heads, col)
+    if share is not None and sink is not None:
+      no_sink = plgpu.layout_cast(jnp.full((heads,), -jnp.inf, jnp.float32), col)
+      sink = lax.cond(share < 0, lambda: sink, lambda: no_sink)
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
-    per_head = ((max_logits, ml_ref), (lse, lse_ref))
     for half, acc in halves:
       o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q.dtype)
       q.at[half].transpose((1, 0))[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
-    for k, (vec, _) in enumerate(per_head):
+    for k, vec in enumerate((max_logits, lse)):
 
       @owner(k)
       def _(k=k, vec=vec):
         stats.at[k, pl.ds(0, heads)][...] = vec
 
     plgpu.commit_smem()
-    for half, _ in halves:
-      plgpu.copy_smem_to_gmem(q.at[half], o_ref.at[o_rows, pl.ds(half * HALF, HALF)])
-    for k, (_, ref) in enumerate(per_head):
 
-      @owner(k)
-      def _(k=k, ref=ref):
-        if k == 1 and direct_lse:
-          store_decode_lse(plgpu, stats.at[k], ref, t=t, h0=h0, count=heads,
-                           query_len=query_len)
-        else:
-          plgpu.copy_smem_to_gmem(stats.at[k], ref.at[block])
+    def store(o_dst, o_row, ml_dst, lse_dst, row):
+      """O's rows ``o_row ..``, the max logits and LSE at row ``row`` of their outputs."""
+      for half, _ in halves:
+        plgpu.copy_smem_to_gmem(q.at[half], o_dst.at[pl.ds(o_row, heads),
+                                                     pl.ds(half * HALF, HALF)])
+      for k, ref in enumerate((ml_dst, lse_dst)):
 
+        @owner(k)
+        def _(k=k, ref=ref):
+          if k == 1 and direct_lse:
+            store_decode_lse(plgpu, stats.at[k], ref, t=t, h0=h0, count=heads,
+                             query_len=query_len)
+          else:
+            plgpu.copy_smem_to_gmem(stats.at[k], ref.at[row])
+
+    def store_item():
+      store(o_ref, part * tokens * h_pad + r0, ml_ref, lse_ref,
+            (part * tokens + t) * blocks + h)
+
+    if share is None:
+      store_item()
+    else:
+      row = share * tail[0] + t * blocks + h - (tokens * blocks - tail[0])
+      pl.when(share < 0)(store_item)
+      pl.when(share >= 0)(lambda: store(tail_refs[0], row * heads, *tail_refs[1:], row))
     plgpu.wait_smem_to_gmem(0)
 
   q_buffers = q_main.shape[0]
@@ -146,14 +172,14 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     return 0 if q_buffers == 1 else lax.rem(k, q_buffers)
 
   def for_each_item(body):
-    run_items(body, persistent=persistent, tokens=tokens, blocks=blocks)
+    run_items(body, persistent=persistent, tokens=tokens, blocks=blocks, tail=tail)
 
   @pl.when(wg < consumers)
   def _consumer():
     _mosaic.set_registers(plgpu, config.consumer_registers, warpgroups)
 
-    def consume(k, t, h, ring_start):
-      _, _, first, _ = item(t, h)
+    def consume(k, t, h, ring_start, share=None):
+      _, _, first, _ = item(t, h, share)
       b = query_buffer(k)
       q = q_main.at[b]
       rope = q_rope.at[b] if has_rope else None
@@ -162,7 +188,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
             plgpu, q_main=q, q_rope=rope, k_main=kv_main, k_rope=kv_rope, p_t=p_t,
             steps=first[-1], barriers=(q_bar.at[b], kv_bar, free_bar), mask=key_mask,
             scale=scale, ring_start=ring_start)
-        finish(t, h, q, list(enumerate(accs)), m, l)
+        finish(t, h, q, list(enumerate(accs)), m, l, share)
       else:
         acc, m, l = _mosaic.consume_stages(
             plgpu, wg=wg, q_main=q, q_rope=rope, k_main=kv_main, k_rope=kv_rope,
@@ -183,8 +209,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     def _producer(p=p):
       _mosaic.set_registers(plgpu, config.producer_registers, warpgroups)
 
-      def gather(k, t, h, ring_start):
-        r0, request, first, base = item(t, h)
+      def gather(k, t, h, ring_start, share=None):
+        r0, request, first, base = item(t, h, share)
         b = query_buffer(k)
         rows = pl.ds(r0, heads)
         q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[b, c]) for c in range(2)]
@@ -322,24 +348,34 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   ) + ((plgpu.Barrier(num_arrivals=1, num_barriers=q_buffers),)  # a query buffer is free
          if persistent else ())
   items = tokens * blocks
+  ctas = min(items, num_sms())
+  # A prefill's last items, short of a round, are shared out to the CTAs that would
+  # idle (a decode's LSE layout has no place for the shares).
+  tail = (tail_parts(items, ctas, sum(cdiv(i.shape[1], BLOCK_K) for i in all_indices))
+          if persistent and query_len is None else (0, 1))
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
                              tokens=tokens, splits=num_splits, query_len=query_len,
-                             direct_lse=direct_lse, persistent=persistent)
+                             direct_lse=direct_lse, persistent=persistent, tail=tail)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
                   smem, barriers, collective_axes="wg")
 
   n = num_splits * tokens
+  shares = tail[0] * tail[1]
   out_type = (jax.ShapeDtypeStruct((n * h_pad, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((n * blocks, row), jnp.float32),
               jax.ShapeDtypeStruct((tokens // query_len, h_pad, query_len) if direct_lse
                                    else (n * blocks, row), jnp.float32))
-  grid = ({"grid": (min(items, num_sms()),), "grid_names": ("p",)} if persistent
+  if shares:
+    out_type += (jax.ShapeDtypeStruct((shares * heads, D_MAIN), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((shares, row), jnp.float32),
+                 jax.ShapeDtypeStruct((shares, row), jnp.float32))
+  grid = ({"grid": (ctas,), "grid_names": ("p",)} if persistent
           else {"grid": (tokens, blocks), "grid_names": ("t", "h")} if num_splits == 1
           else {"grid": (tokens, num_splits, blocks), "grid_names": ("t", "s", "h")})
-  out, max_logits, lse = plgpu.kernel(
+  out, max_logits, lse, *tail_out = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid,
       num_threads=config.consumers + config.producers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -351,6 +387,15 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   else:  # rows of `row`, the first `heads` used; a direct LSE is [b, h_pad, s_q] already
     max_logits = max_logits[:, :heads]
     lse = lse if direct_lse else lse[:, :heads]
+  if shares:  # the tail items' shares combined into their rows (persistent CTAs take
+    # 16-head items, one a token, so the tail is the last r tokens)
+    r, parts = tail
+    tail_o, tail_ml, tail_lse = merge_mosaic.combine(
+        tail_out[0].reshape(parts, r * heads, D_MAIN), tail_out[2].reshape(parts, r, row),
+        tail_out[1].reshape(parts, r, row), sink, heads=h_pad)
+    out = out.at[(tokens - r) * h_pad:].set(tail_o)
+    max_logits = max_logits.at[tokens - r:].set(tail_ml.reshape(r, heads))
+    lse = lse.at[tokens - r:].set(tail_lse.reshape(r, heads))
   max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
   lse = (lse[:, :h_q] if direct_lse
          else decode_lse(lse.reshape(tokens, h_pad)[:, :h_q], query_len))
