@@ -140,15 +140,18 @@ def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
 
 def gpu_pass_us(calls, sync) -> float | None:
   """GPU time per call of one pass of ``calls`` dispatched back to back, as in
-  :func:`time_calls_us`: the span of the pass's device work (first kernel start to
-  last kernel end, the gaps between kernels included), read from a CUPTI trace through
-  torch.profiler, over the number of calls. None without a CUDA torch, or where the
-  trace holds fewer kernels than calls.
+  :func:`time_calls_us`: the time the device spent on the pass's work (the union of its
+  kernels', copies' and sets' intervals), read from a CUPTI trace through torch.profiler,
+  over the number of calls. None without a CUDA torch, or where the trace holds fewer
+  kernels than calls.
 
   The wall timer also holds the host's latency once a pass: dispatch to the first
   kernel, and the last kernel to the sync's return. For a jitted JAX op on the H100
   machine's host that came to 20-40 us a call at 16 calls a pass, against about 10 for
-  a torch op (RESULTS.md, session 35); this figure leaves it out for both.
+  a torch op (RESULTS.md, session 35); this figure leaves it out for both. So it does
+  the gaps where the device waits for the host within the pass: under the trace a
+  JAX op's dispatch slows, and the span of a pass (session 35's figure) read 200 us a
+  call for a 124 us op (fp8_model1 h16, RESULTS.md, session 36).
   """
   import tempfile
 
@@ -165,8 +168,17 @@ def gpu_pass_us(calls, sync) -> float | None:
                 and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
   if sum(e["cat"] == "kernel" for e in events) < len(calls):
     return None
-  span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-  return span / len(calls)
+  return busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events]) / len(calls)
+
+
+def busy_us(intervals) -> float:
+  """The length of the union of ``(start, end)`` intervals."""
+  total, reach = 0.0, float("-inf")
+  for start, end in sorted(intervals):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
 
 
 def sync_jax(outs):

@@ -59,3 +59,12 @@ def test_paged_side_by_side_reaches_the_seed_launcher(monkeypatch):
   assert [r.op for r in rows] == ["paged_attention vs seed"] * 2
   assert {r.anchor_name for r in rows} == {seed_paged_peer.NAME}
   assert seen and all(s == ((8, 8, 16, 16, 8), (8, 8, 128, 16), True, 32, 1.0) for s in seen)
+
+
+def test_gpu_busy_time_is_the_union_of_the_intervals():
+  """The side-by-side GPU time counts each microsecond the device works once: kernels
+  that overlap (two streams) count once, waits for the host not at all."""
+  from benchmarks.harness import busy_us
+  assert busy_us([]) == 0
+  assert busy_us([(0, 10), (30, 35)]) == 15  # a 20 us wait for the host left out
+  assert busy_us([(5, 20), (0, 10), (8, 12), (30, 31)]) == 21  # overlapping, nested, unsorted
