@@ -55,7 +55,8 @@ def _nan_unused(rows, idx):
 def sparse_prefill(impl):
   """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads);
   topk 150 (Mosaic GPU: the index pre-pass) and 192 (the gather masks the lengths); topk
-  1024 at 128 and 64 heads; 16 and 64 heads over 271 tokens."""
+  1024 at 128 and 64 heads; 16 and 64 heads over 271 tokens; 16 and 128 heads over 135
+  tokens of topk 1024."""
   rng = np.random.default_rng(0)
   for d_qk, h_q, topk in ((576, 128, 150), (512, 128, 150), (576, 24, 150), (576, 128, 192),
                           (576, 24, 192), (576, 128, 1024), (512, 64, 1024)):
@@ -77,6 +78,17 @@ def sparse_prefill(impl):
     yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
                              jnp.asarray(idx), sm_scale=576 ** -0.5,
                              topk_length=jnp.asarray(rng.integers(-1, 260, s_q), jnp.int32),
+                             attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
+  # Three tokens more than an H100 has SMs, 16 steps each (Mosaic GPU: the last round's
+  # items taken in shares, combined after the kernel).
+  s_q, s_kv, topk = 135, 300, 1024
+  for h_q in (16, 128):
+    idx = _bad_indices(rng, (s_q, topk), s_kv)
+    kv = _nan_unused(rng.standard_normal((s_kv, 576)).astype(np.float32) / 3, idx)
+    q = rng.standard_normal((s_q, h_q, 576)) / 3
+    yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
+                             jnp.asarray(idx), sm_scale=576 ** -0.5,
+                             topk_length=jnp.asarray(rng.integers(0, topk + 1, s_q), jnp.int32),
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
 
 

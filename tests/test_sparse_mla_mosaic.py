@@ -290,16 +290,18 @@ def test_prefill_more_tokens_than_sms(d_qk, h_q):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_prefill_tail_shares(d_qk):
-  """16 heads over the SMs' count plus 3 tokens: the last 3 tokens are taken in shares
-  of their 10 key steps by CTAs that would idle, then combined: one token without keys,
-  one whose 5 keys fall in one share, one full, under +-inf and finite sinks."""
-  rng = np.random.default_rng(d_qk)
-  s_q, topk = _mosaic.num_sms() + 3, 640
-  q, kv, idx = _case(rng, s_q, 16, d_qk, S_KV, topk)
+@pytest.mark.parametrize("h_q", [16, 64, 128])
+def test_prefill_tail_shares(d_qk, h_q):
+  """The SMs' count plus 3 tokens: the last items (3 tokens, or with 128 heads 6 head
+  blocks) are taken in shares of their 16 key steps by CTAs that would idle, then
+  combined: one token without keys, one whose 5 keys fall in one share, one full,
+  under +-inf and finite sinks."""
+  rng = np.random.default_rng(d_qk + h_q)
+  s_q, topk = _mosaic.num_sms() + 3, 1024
+  q, kv, idx = _case(rng, s_q, h_q, d_qk, S_KV, topk)
   lengths = rng.integers(0, topk + 1, s_q)
   lengths[-3:] = 0, 5, topk
-  sink = rng.standard_normal(16).astype(np.float32)
+  sink = rng.standard_normal(h_q).astype(np.float32)
   sink[::5], sink[1::5] = np.inf, -np.inf
   out, ref = _check(q, kv, idx, topk_length=jnp.asarray(lengths, jnp.int32),
                     attn_sink=jnp.asarray(sink))
@@ -613,24 +615,27 @@ def test_gpu_mosaic_combine_matches_combine_splits(pitch):
 
 def test_tail_parts():
   """A persistent grid's last items share out to the CTAs that would idle, in at most
-  one share a key step, where they leave more than half the last round idle."""
+  one share a key step, where they leave more than half the last round idle and have
+  16 steps or more."""
   assert tail_parts(4096, 132, 32) == (4, 32)
   assert tail_parts(4096, 132, 16) == (4, 16)
+  assert tail_parts(4096, 132, 8) == (0, 1)  # short items
   assert tail_parts(4092, 132, 32) == (0, 1)  # whole rounds
   assert tail_parts(256, 132, 32) == (0, 1)  # 124 of 132 in the last round
-  assert tail_parts(140, 132, 1) == (0, 1)  # one step an item: nothing to share
-  assert tail_parts(200, 132, 8) == (0, 1)  # 68 of 132: more than half full
-  assert tail_parts(180, 132, 8) == (48, 2)
+  assert tail_parts(200, 132, 16) == (0, 1)  # 68 of 132: more than half full
+  assert tail_parts(180, 132, 16) == (48, 2)
 
 
-def test_prefill_tail_shares_lower():
-  """A 16-head prefill whose tokens leave a short last round (the SMs plus 5) lowers
-  for CUDA with the tail items' shares and their combine: two Mosaic GPU kernels."""
+@pytest.mark.parametrize("h_q", [16, 64, 128])
+def test_prefill_tail_shares_lower(h_q):
+  """A prefill whose tokens leave a short last round (the SMs plus 5) lowers for CUDA
+  with the tail items' shares and their combine (transposed, head-block kernel with
+  one and two head blocks a token): two Mosaic GPU kernels."""
   s = jax.ShapeDtypeStruct
   tokens = _mosaic.num_sms() + 5
   text = lowers_for_cuda(
       lambda q, kv, idx, sink, lens: mosaic.sparse_prefill(
-          q, kv, idx, sink, lens, sm_scale=0.1, config=mosaic.default_config(None, 16)),
-      s((tokens, 16, 576), jnp.bfloat16), s((1000, 576), jnp.bfloat16),
-      s((tokens, 256), jnp.int32), s((16,), jnp.float32), s((tokens,), jnp.int32)).as_text()
+          q, kv, idx, sink, lens, sm_scale=0.1, config=mosaic.default_config(None, h_q)),
+      s((tokens, h_q, 576), jnp.bfloat16), s((1000, 576), jnp.bfloat16),
+      s((tokens, 1024), jnp.int32), s((h_q,), jnp.float32), s((tokens,), jnp.int32)).as_text()
   assert text.count("mosaic_gpu_v2") == 2

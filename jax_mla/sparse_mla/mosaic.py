@@ -72,6 +72,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   run_items,
   split_steps,
   store_decode_lse,
+  tail_parts,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -229,7 +230,7 @@ def check_supported(q, fmts: tuple[Format, ...] = ()) -> None:
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, scale, pair,
-            tokens, splits, query_len, direct_lse, persistent, halves):
+            tokens, splits, query_len, direct_lse, persistent, halves, tail):
   """``gathers``: one :func:`.mosaic_gather.gather_fn` per key set; ``len_ref`` (None:
   no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them; ``refs``: the sets' indices, then
@@ -239,11 +240,15 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   decode's ``[b, query_len]`` queries, whose lengths are per request (``[n, b]``);
   ``direct_lse``: the LSE output is ``[b, h_q, query_len]``. ``persistent``: one CTA
   per SM takes (token, head block) items one after another
-  (:func:`.mosaic_gather.run_items`). ``halves``: ``Config.half_stages`` applies (each
-  gather is a pair of halves; the consumers run :func:`jax_mla._mosaic.consume_pairs`)."""
+  (:func:`.mosaic_gather.run_items`); ``tail`` ``(r, parts)``: its last ``r`` items are
+  taken in ``parts`` shares, whose results (no sink applied) go to three more outputs,
+  share ``j`` of tail item ``i`` at rows ``(j * r + i) * 64 ..``: ``O`` ``[parts * r * 64,
+  512]``, max logits and LSE ``[parts * r * 64]``. ``halves``: ``Config.half_stages``
+  applies (each gather is a pair of halves; the consumers run
+  :func:`jax_mla._mosaic.consume_pairs`)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
-  o_ref, ml_ref, lse_ref, smem, barriers = refs[2 * num_sets:]
+  o_ref, ml_ref, lse_ref, *tail_refs, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, stats, p_stats, *pair_bars = smem
   q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
   q_free = q_free[0] if persistent else None
@@ -261,23 +266,26 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   if pair:
     init_pair(plgpu, pair_bars[0])
 
-  def item(t, h):
-    """Token ``t``, head block ``h``: ``(first head, request, first, base)``. The sets'
-    steps run back to back in one softmax: set k's rows are steps first[k] ..
-    first[k + 1] - 1."""
+  def item(t, h, share=None):
+    """Token ``t``, head block ``h`` (``share`` of it: a tail item's, or -1 for all):
+    ``(first head, request, first, base)``. The sets' steps run back to back in one
+    softmax: set k's rows are steps first[k] .. first[k + 1] - 1."""
     if pair:
       h = h * 2 + lax.axis_index("c")
     request = t if query_len is None else lax.div(t, query_len)
-    first, base = split_steps(first_steps(len_ref, request, idx_refs,
-                                          [g[0] for g in gathers] if halves else gathers),
-                              splits)
+    first = first_steps(len_ref, request, idx_refs,
+                        [g[0] for g in gathers] if halves else gathers)
+    if share is None:
+      first, base = split_steps(first, splits)
+    else:
+      first, base = split_steps(first, tail[1], share)
     return h * BLOCK_H, request, first, base
 
   def for_each_item(body):
     # The ring's state after an item: its steps so far, or with halves how often each
     # slot was filled (stage i of an item goes into slot i % 2).
     run_items(body, persistent=persistent, tokens=tokens, blocks=blocks // (1 + pair),
-              ring=(0, 0) if halves else 0)
+              ring=(0, 0) if halves else 0, tail=tail)
 
   def ring_after(ring, steps):
     if halves:
@@ -309,9 +317,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     def release(slot, half):
       plgpu.barrier_arrive(free_bar.at[_mosaic.half_part(slot, half)])
 
-    def consume(k, t, h, ring_start):
+    def consume(k, t, h, ring_start, share=None):
       del k
-      h0, _, first, _ = item(t, h)
+      h0, _, first, _ = item(t, h, share)
       r0 = t * h_q + h0
       out_r0 = r0 if splits == 1 else lax.axis_index("s") * tokens * h_q + r0
       if halves:
@@ -327,9 +335,12 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
                 q_bar, *_mosaic.stage_barriers(plgpu, kv_bar, free_bar), done_bar),
             shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
             persistent=persistent)
-      sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, _mosaic.row_layout(plgpu))
+      row = _mosaic.row_layout(plgpu)
+      sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, row)
+      if share is not None and sink is not None:  # a share's sink is the combine's
+        no_sink = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row)
+        sink = lax.cond(share < 0, lambda: sink, lambda: no_sink)
       inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
-      rows = pl.ds(out_r0, BLOCK_H)
       out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
       def store(staging):
@@ -344,19 +355,32 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
           stats.at[1][...] = lse
 
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(staging, o_ref.at[rows, pl.ds(wg * HALF, HALF)])
 
-        @pl.when(wg == 0)
-        def _():
-          plgpu.copy_smem_to_gmem(stats.at[0], ml_ref.at[rows])
+        def copy_out(o_dst, ml_dst, lse_dst, rows, direct):
+          plgpu.copy_smem_to_gmem(staging, o_dst.at[rows, pl.ds(wg * HALF, HALF)])
 
-        @pl.when(wg == 1)
-        def _():
-          if not direct_lse:
-            plgpu.copy_smem_to_gmem(stats.at[1], lse_ref.at[rows])
-          else:
-            store_decode_lse(plgpu, stats.at[1], lse_ref, t=t, h0=h0, count=BLOCK_H,
-                             query_len=query_len)
+          @pl.when(wg == 0)
+          def _():
+            plgpu.copy_smem_to_gmem(stats.at[0], ml_dst.at[rows])
+
+          @pl.when(wg == 1)
+          def _():
+            if not direct:
+              plgpu.copy_smem_to_gmem(stats.at[1], lse_dst.at[rows])
+            else:
+              store_decode_lse(plgpu, stats.at[1], lse_dst, t=t, h0=h0, count=BLOCK_H,
+                               query_len=query_len)
+
+        item_rows = functools.partial(copy_out, o_ref, ml_ref, lse_ref,
+                                      pl.ds(out_r0, BLOCK_H), direct_lse)
+        if share is None:
+          item_rows()
+        else:
+          r = tail[0]
+          i = t * blocks + h - (tokens * blocks - r)  # the tail item's index
+          pl.when(share < 0)(item_rows)
+          pl.when(share >= 0)(lambda: copy_out(
+              *tail_refs, pl.ds((share * r + i) * BLOCK_H, BLOCK_H), False))
 
       steps = first[-1]
       if halves:
@@ -387,8 +411,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
   def _producer():
     _mosaic.set_registers(plgpu, config.producer_registers, 3)
 
-    def gather(k, t, h, ring_start):
-      h0, request, first, base = item(t, h)
+    def gather(k, t, h, ring_start, share=None):
+      h0, request, first, base = item(t, h, share)
       rows = pl.ds(t * h_q + h0, BLOCK_H)
       q_copies = [(q_ref.at[rows, pl.ds(c * HALF, HALF)], q_main.at[c]) for c in range(2)]
       if has_rope:
@@ -402,7 +426,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         produce_halves(plgpu, t=t, q_copies=q_copies, gather=gathers[0], idx_ref=idx_refs[0],
                        kv_ref=kv_refs[0], len_ref=len_ref, kv_main=kv_main, kv_rope=kv_rope,
                        valid=valid, barriers=(q_bar, loaded, free_bar, valid_bar),
-                       first=first, request=request, uses=ring_start, q_gate=q_gate)
+                       first=first, base=base, request=request, uses=ring_start,
+                       q_gate=q_gate)
         return ring_after(ring_start, first[-1])
       produce(plgpu, t=t, q_copies=q_copies, gathers=gathers, idx_refs=idx_refs,
               len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope, valid=valid,
@@ -478,6 +503,11 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # gathers the next item's first stage while the consumers finish the last one.
   persistent = not pair and num_splits == 1
   items = tokens * (h_q // BLOCK_H)
+  ctas = min(items, num_sms())
+  # A prefill's last items, short of a round, are shared out to the CTAs that would
+  # idle (a decode's LSE layout has no place for the shares).
+  tail = (tail_parts(items, ctas, sum(cdiv(i.shape[1], BLOCK_K) for i in all_indices))
+          if persistent and query_len is None else (0, 1))
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
                   else plgpu.Barrier)
@@ -493,17 +523,23 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   kernel = functools.partial(_kernel, plgpu=plgpu, h_q=h_q, d_qk=d_qk, config=config,
                              gathers=tuple(gathers), scale=sm_scale * LOG2E, pair=pair,
                              tokens=tokens, splits=num_splits, query_len=query_len,
-                             direct_lse=direct_lse, persistent=persistent, halves=halves)
+                             direct_lse=direct_lse, persistent=persistent, halves=halves,
+                             tail=tail)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
                   smem, barriers, collective_axes="wg")
 
   n = tokens * h_q
+  tail_rows = tail[0] * tail[1] * BLOCK_H
   out_type = (jax.ShapeDtypeStruct((num_splits * n, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((num_splits * n,), jnp.float32),
               jax.ShapeDtypeStruct((tokens // query_len, h_q, query_len) if direct_lse
                                    else (num_splits * n,), jnp.float32))
+  if tail_rows:
+    out_type += (jax.ShapeDtypeStruct((tail_rows, D_MAIN), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((tail_rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((tail_rows,), jnp.float32))
   # The head blocks of one token run side by side (adjacent in launch order, the last
   # grid axis being blockIdx.x, or adjacent items of adjacent persistent CTAs): they
   # gather the same rows, which L2 then serves once; a pair's are one cluster.
@@ -511,8 +547,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
            "cluster_names": ("c",)} if pair
           else {"grid": (tokens, num_splits, h_q // BLOCK_H), "grid_names": ("t", "s", "h")}
           if num_splits > 1
-          else {"grid": (min(items, num_sms()),), "grid_names": ("p",)})
-  out, max_logits, lse = plgpu.kernel(
+          else {"grid": (ctas,), "grid_names": ("p",)})
+  out, max_logits, lse, *tail_out = plgpu.kernel(
       entry, **{_mosaic.out_type_kwarg(plgpu): out_type}, **grid, num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(
           approx_math=True, **({"reduction_scratch_bytes": 0} if halves else {})),
@@ -521,6 +557,17 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, n, D_MAIN), lse.reshape(num_splits, n),
         max_logits.reshape(num_splits, n), attn_sink, heads=h_q)
+  if tail_rows:  # the tail items' shares combined into their rows, the last r * 64
+    r, parts = tail
+    first = n - r * BLOCK_H
+    # The combine's row k is head k % h_q: the sinks turned to start at the tail's head.
+    sink = None if sink is None else jnp.roll(sink, -(first % h_q))
+    tail_o, tail_ml, tail_lse = merge_mosaic.combine(
+        tail_out[0].reshape(parts, r * BLOCK_H, D_MAIN),
+        tail_out[2].reshape(parts, r * BLOCK_H), tail_out[1].reshape(parts, r * BLOCK_H),
+        sink, heads=h_q)
+    out, max_logits, lse = (out.at[first:].set(tail_o), max_logits.at[first:].set(tail_ml),
+                            lse.at[first:].set(tail_lse))
   if not direct_lse:
     lse = decode_lse(lse.reshape(tokens, h_q), query_len)
   return out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q), lse

@@ -339,7 +339,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
 
 
 def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_main, kv_rope,
-                   valid, barriers, first, request, uses, q_gate):
+                   valid, barriers, first, request, uses, q_gate, base=None):
   """The producer for :func:`jax_mla._mosaic.consume_pairs` over one bf16 key set (call
   after ``set_max_registers``): stage ``i`` goes into slot ``i % 2`` in two halves, in
   the order the consumers free them (:data:`jax_mla._mosaic.PAIR_FILL_ORDER`),
@@ -357,7 +357,7 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
   SMEM is free (the consumers free the query after their last ``S``, and the last
   stage's slot once their output has left it, so the item's first stage is filled
   before its second). Other arguments as :func:`produce`'s for one set and one
-  producer.
+  producer (``base``: that set's).
   """
   q_bar, loaded, free, valid_bar = barriers
   q_gate()
@@ -379,7 +379,7 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
     @pl.when(i < steps)
     def _():
       pl.when(uses[slot] + k >= 1)(lambda: plgpu.barrier_wait(free.at[part]))
-      step_idx = idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
+      step_idx = idx_ref.at[t, pl.ds((i if base is None else i + base[0]) * BLOCK_K, BLOCK_K)]
       where = ((step_idx, idx_ref.at[t, pl.ds(0, BLOCK_K)],
                 len_ref.at[gather[0].length_row, pl.ds(request, 1)]) if masked else ())
       halves[h](step_idx, kv_ref, kv_main.at[slot], kv_rope.at[slot], valid.at[slot], step_idx,
@@ -398,15 +398,22 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
       unit(k, slot, h)
 
 
+# Items of fewer key steps keep their last round: the shares' combine and the updates
+# of their rows cost about 8 us (H100), and at V4 h64 topk 512 (8 steps) the A/B ran
+# slower (698 -> 721 us; benchmarks/RESULTS.md, session 36).
+TAIL_MIN_STEPS = 16
+
+
 def tail_parts(items: int, ctas: int, max_steps: int) -> tuple[int, int]:
   """``(r, parts)`` for a persistent grid of ``ctas`` CTAs over ``items`` items of at
   most ``max_steps`` key steps: its last ``r`` items, which alone would make a last
   round on ``r`` CTAs while the others wait, each split into ``parts`` shares that the
   CTAs take at once (their partial results combined after the kernel); ``(0, 1)``
-  where that round is more than half full. (H100, 16-head prefill, topk 2048: 4092
-  tokens 1542-1582 us, 4096 tokens, 4 more items than 31 rounds, 1596-1687 us.)"""
+  where that round is more than half full or the items are short
+  (:data:`TAIL_MIN_STEPS`). (H100, 16-head prefill, topk 2048: 4092 tokens 1542-1582
+  us, 4096 tokens, 4 more items than 31 rounds, 1596-1687 us.)"""
   r = items % ctas
-  parts = min(ctas // r, max_steps) if r else 1
+  parts = min(ctas // r, max_steps) if r and max_steps >= TAIL_MIN_STEPS else 1
   return (r, parts) if parts > 1 else (0, 1)
 
 
