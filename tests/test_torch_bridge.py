@@ -657,6 +657,51 @@ def test_direct_plan_of_sparse_prefill():
   del odd
 
 
+def test_direct_plan_of_sparse_prefill_with_shares_updates_in_place():
+  """A 16-head prefill of the SMs' count plus 3 tokens (its last round shared out, then
+  combined): the prefill and combine kernels, and the three updates of the tail rows in
+  the prefill's own buffers (output, max logits, LSE), written where the combine's
+  results belong and nowhere else."""
+  pytest.importorskip("absl")
+  from jax_mla import _mosaic
+  from jax_mla.sparse_mla import api as sparse_api
+  from jax_mla.sparse_mla import mosaic
+  from torch_bridge import _direct
+  tokens, tail = _mosaic.num_sms() + 3, 3
+  s = jax.ShapeDtypeStruct
+  prefill = functools.partial(sparse_api._prefill, sm_scale=0.1, d_v=512, impl="mosaic",
+                              config=mosaic.default_config(None, 16), interpret=False)
+  _, block, treedef = _direct.lowered_main(
+      lambda q, kv, i: prefill(q, kv, i, None, None),
+      [s((tokens, 16, 576), jnp.bfloat16), s((1000, 576), jnp.bfloat16),
+       s((tokens, 1024), jnp.int32)], None)
+  plan = _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+  assert len(plan.kernels) == 2 and plan.steps != plan.kernels
+  for step, fill in zip(plan.kernels, (0x3F, 0x41), strict=True):
+    step.kernel.result_bytes = [math.prod(shape) * dtype.itemsize for shape, dtype in step.types]
+    step.kernel.FILL = fill
+  out, max_logits, lse = plan([torch.zeros(tokens, 16, 576, dtype=torch.bfloat16),
+                               torch.zeros(1000, 576, dtype=torch.bfloat16),
+                               torch.zeros(tokens, 1024, dtype=torch.int32)], 0)
+  assert out.shape == (tokens, 16, 512) and max_logits.shape == lse.shape == (tokens, 16)
+  for x in (out, max_logits, lse):
+    raw = x.contiguous().view(torch.uint8).reshape(tokens, -1)
+    assert (raw[:-tail] == 0x3F).all() and (raw[-tail:] == 0x41).all()
+
+
+def test_direct_plan_refuses_updates_of_a_calls_tensor():
+  """An update in place is for a kernel's own buffer: into a call's tensor, the program
+  takes the PJRT path (a call leaves its tensors as they were)."""
+  pytest.importorskip("absl")
+  from torch_bridge import _direct
+  s = jax.ShapeDtypeStruct
+  _, block, treedef = _direct.lowered_main(
+      lambda x, u: jax.lax.dynamic_update_slice(x, u, (2,)),
+      [s((8,), jnp.float32), s((3,), jnp.float32)], None)
+  with pytest.raises(_direct.Unsupported, match="update of a call's tensor"):
+    _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+
+
 @pytest.mark.parametrize("lengths", [False, True])
 def test_direct_plan_refuses_programs_with_other_work(lengths):
   """A topk that is not a multiple of 64 needs the index pre-pass (an XLA fusion): no
@@ -924,6 +969,34 @@ def test_direct_launch_matches_pjrt_and_the_reference(kv_cache_dtype, h_q, launc
   assert rel_err(to_jax(out), ref) < 1e-2
   np.testing.assert_allclose(lse.cpu().numpy(), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
   assert torch.isinf(lse[1, :, 0]).all() and not out[1, 0].any()  # the row with no key
+
+
+@pytest.mark.gpu
+def test_direct_launch_of_prefill_with_shares_matches_pjrt(monkeypatch):
+  """A 16-head prefill of the SMs' count plus 3 tokens (the last round shared out,
+  combined, and the tail rows updated in the prefill's buffers) launched directly: the
+  same bits as the PJRT path."""
+  from jax_mla import _mosaic
+  from torch_bridge import _direct
+  plans = []
+  run = _direct.Plan.__call__
+  monkeypatch.setattr(_direct.Plan, "__call__",
+                      lambda self, *a: plans.append(self) or run(self, *a))
+  tokens, s_kv = _mosaic.num_sms() + 3, 4096
+  g = torch.Generator().manual_seed(0)
+  q = (torch.randn(tokens, 16, 576, generator=g) / 3).bfloat16().cuda()
+  kv = (torch.randn(s_kv, 576, generator=g) / 3).bfloat16().cuda()
+  idx = torch.randint(-1, s_kv, (tokens, 1024), generator=g, dtype=torch.int32).cuda()
+  assert torch_bridge.set_direct_launch(True)
+  direct = ops.sparse_mla_prefill(q, kv, idx, sm_scale=0.07)
+  assert len(plans) == 1 and len(plans[0].kernels) == 2
+  torch_bridge.set_direct_launch(False)
+  try:
+    pjrt = ops.sparse_mla_prefill(q, kv, idx, sm_scale=0.07)
+  finally:
+    torch_bridge.set_direct_launch(True)
+  for a, b in zip(direct, pjrt, strict=True):
+    assert a.shape == b.shape and torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 Through PJRT a bridge call pays a jitted dispatch (about 93 us of host time for the
 sparse decode on the H100's host, twice FlashMLA's whole call), DLPack hand-offs and a
 stream fence. Where an op, for one set of shapes, lowers to Mosaic GPU kernels plus
-reshapes, transposes, slices and input-free constants, none of that is needed: a
+reshapes, transposes, slices, input-free constants and updates of a kernel's output at
+fixed places, none of that is needed: a
 :class:`Plan` is made once per signature from the op's StableHLO, and a call then
 
 * makes torch views of its tensors (reshapes, transposes, slices; a pad copies),
@@ -226,6 +227,15 @@ def _view_op(op):
     # device tensor on every call would make the host wait for the GPU).
     return lambda x, value: torch.nn.functional.pad(x, pads, value=value)
   return None
+
+
+def _update(x, u, *, at):
+  """``x`` with ``u`` written at ``at`` (clamped into ``x``, as XLA's
+  ``dynamic_update_slice`` does), in place: ``x`` is a kernel's buffer that nothing else
+  reads."""
+  x[tuple(slice(i, i + n) for i, n in (
+      (min(max(i, 0), m - n), n) for i, n, m in zip(at, u.shape, x.shape, strict=True)))].copy_(u)
+  return x
 
 
 @dataclasses.dataclass
@@ -476,6 +486,19 @@ def build(block, treedef, device: torch.device,
         module = op.attributes["mhlo.backend_config"]["module"].value_bytes
         steps.append(_KernelStep(compile_kernel(module, device), ins, tuple(results),
                                  tuple(_tensor_type(r) for r in op.results), tuple(aliases)))
+        continue
+      if name == "stablehlo.dynamic_update_slice":  # in place, into a kernel's buffer
+        target, update, *starts = operands
+        if any(v.const is None for v in starts):
+          raise Unsupported("an update at a computed place")
+        if (target.const is not None or target.fresh is None
+            or len(list(op.operation.operands[0].uses)) != 1):
+          raise Unsupported("an update of a call's tensor, a constant or a value read twice")
+        # The place is read once, now (``.item()`` on every call would wait for the GPU).
+        at = [int(v.const.item()) for v in starts]
+        v = _Value(slot=new_slot(), fresh=target.fresh)
+        steps.append(_ViewStep(functools.partial(_update, at=at), (target, update), v.slot))
+        values[op.result] = v
         continue
       fn = _view_op(op)
       if fn is None or len(op.results) != 1:

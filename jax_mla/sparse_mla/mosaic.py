@@ -566,8 +566,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
         tail_out[0].reshape(parts, r * BLOCK_H, D_MAIN),
         tail_out[2].reshape(parts, r * BLOCK_H), tail_out[1].reshape(parts, r * BLOCK_H),
         sink, heads=h_q)
-    out, max_logits, lse = (out.at[first:].set(tail_o), max_logits.at[first:].set(tail_ml),
-                            lse.at[first:].set(tail_lse))
+    # (updates in place: the torch bridge's direct launch runs them too)
+    out = lax.dynamic_update_slice(out, tail_o, (first, 0))
+    max_logits = lax.dynamic_update_slice(max_logits, tail_ml, (first,))
+    lse = lax.dynamic_update_slice(lse, tail_lse, (first,))
   if not direct_lse:
     lse = decode_lse(lse.reshape(tokens, h_q), query_len)
   return out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q), lse

@@ -393,9 +393,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     tail_o, tail_ml, tail_lse = merge_mosaic.combine(
         tail_out[0].reshape(parts, r * heads, D_MAIN), tail_out[2].reshape(parts, r, row),
         tail_out[1].reshape(parts, r, row), sink, heads=h_pad)
-    out = out.at[(tokens - r) * h_pad:].set(tail_o)
-    max_logits = max_logits.at[tokens - r:].set(tail_ml.reshape(r, heads))
-    lse = lse.at[tokens - r:].set(tail_lse.reshape(r, heads))
+    # (updates in place: the torch bridge's direct launch runs them too)
+    out = lax.dynamic_update_slice(out, tail_o, ((tokens - r) * h_pad, 0))
+    max_logits = lax.dynamic_update_slice(max_logits, tail_ml.reshape(r, heads), (tokens - r, 0))
+    lse = lax.dynamic_update_slice(lse, tail_lse.reshape(r, heads), (tokens - r, 0))
   max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
   lse = (lse[:, :h_q] if direct_lse
          else decode_lse(lse.reshape(tokens, h_pad)[:, :h_q], query_len))
