@@ -69,28 +69,17 @@ def sparse_prefill(impl):
                              jnp.asarray(idx), sm_scale=d_qk ** -0.5, topk_length=lengths,
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
   # More tokens than an H100 has SMs (Mosaic GPU: persistent CTAs, each taking two or
-  # more items of uneven length, the ring and query buffers running on between them).
-  s_q, s_kv, topk = 271, 300, 192
-  for h_q in (16, 64):
+  # more items of uneven length, the ring and query buffers running on between them);
+  # 135 tokens of 16 steps: the last round's items taken in shares, combined after.
+  s_kv = 300
+  for s_q, topk, h_q in ((271, 192, 16), (271, 192, 64), (135, 1024, 16), (135, 1024, 128)):
     idx = _bad_indices(rng, (s_q, topk), s_kv)
     kv = _nan_unused(rng.standard_normal((s_kv, 576)).astype(np.float32) / 3, idx)
     q = rng.standard_normal((s_q, h_q, 576)) / 3
     yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
                              jnp.asarray(idx), sm_scale=576 ** -0.5,
-                             topk_length=jnp.asarray(rng.integers(-1, 260, s_q), jnp.int32),
+                             topk_length=jnp.asarray(rng.integers(-1, topk + 68, s_q), jnp.int32),
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
-  # Three tokens more than an H100 has SMs, 16 steps each (Mosaic GPU: the last round's
-  # items taken in shares, combined after the kernel).
-  s_q, s_kv, topk = 135, 300, 1024
-  for h_q in (16, 128):
-    idx = _bad_indices(rng, (s_q, topk), s_kv)
-    kv = _nan_unused(rng.standard_normal((s_kv, 576)).astype(np.float32) / 3, idx)
-    q = rng.standard_normal((s_q, h_q, 576)) / 3
-    yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
-                             jnp.asarray(idx), sm_scale=576 ** -0.5,
-                             topk_length=jnp.asarray(rng.integers(0, topk + 1, s_q), jnp.int32),
-                             attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
-
 
 QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1_cache,
             "fp8_v41": quantize_fp8_v41, "fp4_v41": quantize_fp4_v41}

@@ -560,8 +560,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   if tail_rows:  # the tail items' shares combined into their rows, the last r * 64
     r, parts = tail
     first = n - r * BLOCK_H
-    # The combine's row k is head k % h_q: the sinks turned to start at the tail's head.
-    sink = None if sink is None else jnp.roll(sink, -(first % h_q))
+    if sink is not None and first % h_q:  # the combine's row k is head k % h_q: the
+      sink = jnp.roll(sink, -(first % h_q))  # sinks turned to start at the tail's head
     tail_o, tail_ml, tail_lse = merge_mosaic.combine(
         tail_out[0].reshape(parts, r * BLOCK_H, D_MAIN),
         tail_out[2].reshape(parts, r * BLOCK_H), tail_out[1].reshape(parts, r * BLOCK_H),
