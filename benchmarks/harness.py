@@ -123,11 +123,22 @@ class SideBySide:
     return "; ".join(parts) + ("" if len(parts) > 1 else "; GPU time not read")
 
 
+# Calls in a side-by-side pass at the least. A pass carries the host's latency once (on
+# the H100 machine about 300-450 us for a jitted JAX op, 150-200 for a torch one), and
+# the prefill rows have 4 input sets: over 4 calls that latency was 80-100 us of a 600 us
+# JAX call (RESULTS.md, session 36).
+MIN_CALLS_PER_PASS = 16
+
+
 def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
   """Times ``ours`` (zero-argument jitted JAX calls, one per input set) and ``peer`` (the
   same calls of a torch library) with the same timers: :func:`time_calls_us`, then the
   median over ``gpu_passes`` of :func:`gpu_pass_us`, the two libraries' passes taken in
-  turn so that a drifting clock weighs on both alike."""
+  turn so that a drifting clock weighs on both alike. A pass takes the sets in turn, at
+  least :data:`MIN_CALLS_PER_PASS` calls (the sets again from the first where there are
+  fewer), so the latency a pass carries weighs alike on every row."""
+  turns = -(-MIN_CALLS_PER_PASS // len(ours))
+  ours, peer = list(ours) * turns, list(peer) * turns
   wall = time_calls_us(ours, sync_jax), time_calls_us(peer, sync_torch)
   gpu = [], []
   for _ in range(gpu_passes):
