@@ -702,6 +702,25 @@ def test_direct_plan_refuses_updates_of_a_calls_tensor():
     _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
 
 
+def test_direct_plan_refuses_updates_of_a_kernel_output_read_elsewhere():
+  """An update through a view of a kernel's output that the program also returns would
+  change the returned value: no plan."""
+  pytest.importorskip("absl")
+  from jax_mla import merge_mosaic
+  from torch_bridge import _direct
+
+  def update_and_return(o, lse, ml):
+    out = merge_mosaic.combine(o, lse, ml, None, heads=8)[0]
+    return jax.lax.dynamic_update_slice(out.reshape(-1), jnp.zeros((4,), out.dtype), (0,)), out
+
+  s = jax.ShapeDtypeStruct
+  _, block, treedef = _direct.lowered_main(
+      update_and_return,
+      [s((2, 8, 512), jnp.bfloat16), s((2, 8), jnp.float32), s((2, 8), jnp.float32)], None)
+  with pytest.raises(_direct.Unsupported, match="read elsewhere"):
+    _direct.build(block, treedef, torch.device("cpu"), _RecordingKernel)
+
+
 @pytest.mark.parametrize("lengths", [False, True])
 def test_direct_plan_refuses_programs_with_other_work(lengths):
   """A topk that is not a multiple of 64 needs the index pre-pass (an XLA fusion): no

@@ -238,6 +238,17 @@ def _update(x, u, *, at):
   return x
 
 
+def _read_once(value) -> bool:
+  """Whether ``value`` and each value it is a view of, back to a kernel's output, has one
+  reader: only then may an update write into their memory."""
+  while len(list(value.uses)) == 1:
+    if value.owner.name not in ("stablehlo.reshape", "stablehlo.transpose",
+                                "stablehlo.slice"):
+      return True
+    value = value.owner.operands[0]
+  return False
+
+
 @dataclasses.dataclass
 class _KernelStep:
   """A launch. ``operands``: the values it reads; ``results``, ``types``, ``aliases``:
@@ -491,9 +502,10 @@ def build(block, treedef, device: torch.device,
         target, update, *starts = operands
         if any(v.const is None for v in starts):
           raise Unsupported("an update at a computed place")
-        if (target.const is not None or target.fresh is None
-            or len(list(op.operation.operands[0].uses)) != 1):
-          raise Unsupported("an update of a call's tensor, a constant or a value read twice")
+        if target.const is not None or target.fresh is None:
+          raise Unsupported("an update of a call's tensor or a constant")
+        if not _read_once(op.operation.operands[0]):
+          raise Unsupported("an update of a kernel's output that is read elsewhere")
         # The place is read once, now (``.item()`` on every call would wait for the GPU).
         at = [int(v.const.item()) for v in starts]
         v = _Value(slot=new_slot(), fresh=target.fresh)
