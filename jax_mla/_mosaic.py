@@ -70,6 +70,19 @@ def register_budget(warpgroups: int) -> int:
   return warpgroups * register_share(warpgroups)
 
 
+def check_register_split(consumer: int, producer: int) -> None:
+  """Raises ``ValueError`` unless ``consumer`` and ``producer`` registers a thread suit a
+  kernel of two consumer warpgroups and one producer: multiples of 8 with ``24 <=
+  producer <= consumer <= 256`` and ``2 * consumer + producer ==``
+  :func:`register_budget` of three warpgroups."""
+  budget = register_budget(3)
+  c, p = consumer, producer
+  if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != budget:
+    raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
+                     f"consumer <= 256 and 2 * consumer + producer == {budget} (or the "
+                     f"kernel hangs); got {c}, {p}")
+
+
 def set_registers(plgpu_mod, registers: int, warpgroups: int) -> None:
   """``setmaxnreg`` to ``registers`` in a kernel of ``warpgroups`` (the direction is
   relative to :func:`register_share`; ptxas rejects a "decrease" that increases)."""

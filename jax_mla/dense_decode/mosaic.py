@@ -107,12 +107,7 @@ class Config:
 
   def __post_init__(self):
     check_num_splits("Config.num_splits", self.num_splits)
-    c, p = self.consumer_registers, self.producer_registers
-    budget = _mosaic.register_budget(3)
-    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != budget:
-      raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
-                       f"consumer <= 256 and 2 * consumer + producer == {budget} (or the "
-                       f"kernel hangs); got {c}, {p}")
+    _mosaic.check_register_split(self.consumer_registers, self.producer_registers)
 
 
 def _decode_kernel(seq_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, smem, barriers, *,

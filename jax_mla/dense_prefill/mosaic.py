@@ -93,11 +93,7 @@ class Config:
       raise ValueError(f"Config.block_k must be 64 or 128; got {self.block_k}")
     if not 2 <= self.num_stages <= 4:
       raise ValueError(f"Config.num_stages must be 2, 3 or 4; got {self.num_stages}")
-    c, p = self.consumer_registers, self.producer_registers
-    budget = _mosaic.register_budget(3)
-    if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p != budget:
-      raise ValueError("Config register split must be multiples of 8 with 24 <= producer <= "
-                       f"consumer <= 256 and 2 * consumer + producer == {budget}; got {c}, {p}")
+    _mosaic.check_register_split(self.consumer_registers, self.producer_registers)
 
 
 def _smem_bytes(d_qk: int, d_v: int, config: Config, grad: bool = False) -> int:
