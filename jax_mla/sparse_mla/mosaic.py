@@ -60,6 +60,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   D_MAIN,
   HALF,
   TILE,
+  combine_tail,
   decode_lse,
   dequantized,
   first_steps,
@@ -67,12 +68,13 @@ from jax_mla.sparse_mla.mosaic_gather import (
   kernel_inputs,
   leading_inputs,
   load_sinks,
+  prefill_tail,
   produce,
   produce_halves,
   run_items,
   split_steps,
   store_decode_lse,
-  tail_parts,
+  tail_row,
 )
 
 BLOCK_H = 64  # query heads per CTA: one wgmma M
@@ -335,11 +337,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
                 q_bar, *_mosaic.stage_barriers(plgpu, kv_bar, free_bar), done_bar),
             shared=(p_stats, p_ready), mask=mask, scale=scale, ring_start=ring_start,
             persistent=persistent)
-      row = _mosaic.row_layout(plgpu)
-      sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, row)
-      if share is not None and sink is not None:  # a share's sink is the combine's
-        no_sink = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row)
-        sink = lax.cond(share < 0, lambda: sink, lambda: no_sink)
+      sink = load_sinks(plgpu, sink_ref, h0, BLOCK_H, _mosaic.row_layout(plgpu), share)
       inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
       out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_main.dtype)
 
@@ -376,11 +374,10 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
         if share is None:
           item_rows()
         else:
-          r = tail[0]
-          i = t * blocks + h - (tokens * blocks - r)  # the tail item's index
+          row = tail_row(tail, tokens, blocks, t, h, share)
           pl.when(share < 0)(item_rows)
           pl.when(share >= 0)(lambda: copy_out(
-              *tail_refs, pl.ds((share * r + i) * BLOCK_H, BLOCK_H), False))
+              *tail_refs, pl.ds(row * BLOCK_H, BLOCK_H), False))
 
       steps = first[-1]
       if halves:
@@ -504,10 +501,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   persistent = not pair and num_splits == 1
   items = tokens * (h_q // BLOCK_H)
   ctas = min(items, num_sms())
-  # A prefill's last items, short of a round, are shared out to the CTAs that would
-  # idle (a decode's LSE layout has no place for the shares).
-  tail = (tail_parts(items, ctas, sum(cdiv(i.shape[1], BLOCK_K) for i in all_indices))
-          if persistent and query_len is None else (0, 1))
+  tail = prefill_tail(items, ctas, all_indices, persistent=persistent, query_len=query_len)
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
   free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("c",)) if pair
                   else plgpu.Barrier)
@@ -557,19 +551,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, n, D_MAIN), lse.reshape(num_splits, n),
         max_logits.reshape(num_splits, n), attn_sink, heads=h_q)
-  if tail_rows:  # the tail items' shares combined into their rows, the last r * 64
-    r, parts = tail
-    first = n - r * BLOCK_H
-    if sink is not None and first % h_q:  # the combine's row k is head k % h_q: the
-      sink = jnp.roll(sink, -(first % h_q))  # sinks turned to start at the tail's head
-    tail_o, tail_ml, tail_lse = merge_mosaic.combine(
-        tail_out[0].reshape(parts, r * BLOCK_H, D_MAIN),
-        tail_out[2].reshape(parts, r * BLOCK_H), tail_out[1].reshape(parts, r * BLOCK_H),
-        sink, heads=h_q)
-    # (updates in place: the torch bridge's direct launch runs them too)
-    out = lax.dynamic_update_slice(out, tail_o, (first, 0))
-    max_logits = lax.dynamic_update_slice(max_logits, tail_ml, (first,))
-    lse = lax.dynamic_update_slice(lse, tail_lse, (first,))
+  if tail_rows:  # the tail items' rows are the last r * 64
+    out, max_logits, lse = combine_tail(out, max_logits, lse, tail_out, tail, sink, heads=h_q)
   if not direct_lse:
     lse = decode_lse(lse.reshape(tokens, h_q), query_len)
   return out.reshape(tokens, h_q, D_MAIN), max_logits.reshape(tokens, h_q), lse

@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_mla import _inline, _mosaic
+from jax_mla import _inline, _mosaic, merge_mosaic
 from jax_mla._common import cdiv
 from jax_mla.cache import e2m1
 from jax_mla.cache.ds_mla import DsMla
@@ -147,12 +147,18 @@ def decode_lse(lse, query_len: int | None):
   return lse.reshape(-1, query_len, lse.shape[1]).transpose(0, 2, 1)
 
 
-def load_sinks(plgpu, sink_ref, h0, count: int, layout):
+def load_sinks(plgpu, sink_ref, h0, count: int, layout, share=None):
   """The sinks of heads ``h0 .. h0 + count - 1`` from GMEM ``sink_ref`` (None: no sink)
-  in ``layout``, for :func:`jax_mla._mosaic.sink_epilogue` (a few floats: no TMA)."""
+  in ``layout``, for :func:`jax_mla._mosaic.sink_epilogue` (a few floats: no TMA). A
+  tail item's share (``share >= 0``, :func:`run_items`) gets none (-inf): the combine
+  of the shares applies them."""
   if sink_ref is None:
     return None
-  return plgpu.load(sink_ref.at[pl.ds(h0, count)], (), layout=layout, optimized=False)
+  sink = plgpu.load(sink_ref.at[pl.ds(h0, count)], (), layout=layout, optimized=False)
+  if share is None:
+    return sink
+  no_sink = plgpu.layout_cast(jnp.full((count,), -jnp.inf, jnp.float32), layout)
+  return lax.cond(share < 0, lambda: sink, lambda: no_sink)
 
 
 def store_decode_lse(plgpu, src_ref, lse_ref, *, t, h0, count: int, query_len: int):
@@ -415,6 +421,45 @@ def tail_parts(items: int, ctas: int, max_steps: int) -> tuple[int, int]:
   r = items % ctas
   parts = min(ctas // r, max_steps) if r and max_steps >= TAIL_MIN_STEPS else 1
   return (r, parts) if parts > 1 else (0, 1)
+
+
+def prefill_tail(items: int, ctas: int, indices, *, persistent: bool,
+                 query_len: int | None) -> tuple[int, int]:
+  """:func:`tail_parts` of a kernel's grid over its sets' ``indices``: a persistent
+  prefill's; ``(0, 1)`` for a decode (FlashMLA's decode LSE layout has no place for the
+  shares) and for a grid that is not persistent."""
+  if not persistent or query_len is not None:
+    return 0, 1
+  return tail_parts(items, ctas, sum(cdiv(i.shape[1], BLOCK_K) for i in indices))
+
+
+def tail_row(tail, tokens: int, blocks: int, t, h, share):
+  """Row of the tail outputs for share ``share`` of tail item (token ``t``, head block
+  ``h``): share ``j`` of tail item ``i`` at ``j * r + i``."""
+  r = tail[0]
+  return share * r + t * blocks + h - (tokens * blocks - r)
+
+
+def combine_tail(out, max_logits, lse, tail_out, tail, sink, *, heads: int):
+  """The prefill's results with the tail items' shares (``tail_out``: ``O``, max logits
+  and LSE as the kernel wrote them, share-major) combined into their last rows, in
+  place: ``out`` ``[n, 512]``, ``max_logits`` and ``lse`` ``n`` per-head values in rows
+  of their own (row ``k`` of ``out`` is head ``k % heads``)."""
+  parts = tail[1]
+  o, ml, l = tail_out
+  rows = o.shape[0] // parts
+  first = out.shape[0] - rows
+  if sink is not None and first % heads:  # the combine's row k is head k % heads: the
+    sink = jnp.roll(sink, -(first % heads))  # sinks turned to start at the tail's head
+  by_share = lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:])  # noqa: E731
+  combined = merge_mosaic.combine(by_share(o), by_share(l), by_share(ml), sink, heads=heads)
+
+  def last_rows(x, update):  # (updates in place: the torch bridge's direct launch too)
+    update = update.reshape(-1, *x.shape[1:])
+    return lax.dynamic_update_slice(x, update, (x.shape[0] - update.shape[0],)
+                                    + (0,) * (x.ndim - 1))
+
+  return tuple(last_rows(x, u) for x, u in zip((out, max_logits, lse), combined, strict=True))
 
 
 def run_items(body, *, persistent: bool, tokens: int, blocks: int, ring=0, tail=(0, 1)):

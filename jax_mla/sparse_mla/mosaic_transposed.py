@@ -47,23 +47,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_mla import _mosaic, _softmax, merge_mosaic
-from jax_mla._common import LOG2E, cdiv, num_sms
+from jax_mla._common import LOG2E, num_sms
 from jax_mla.sparse_mla.mosaic_gather import (
   BLOCK_K,
   D_MAIN,
   EARLY_MIN_REGISTERS,
   HALF,
   TILE,
+  combine_tail,
   decode_lse,
   first_steps,
   kernel_inputs,
   leading_inputs,
   load_sinks,
+  prefill_tail,
   produce,
   run_items,
   split_steps,
   store_decode_lse,
-  tail_parts,
+  tail_row,
 )
 
 
@@ -122,11 +124,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     combine."""
     r0, h0 = t * h_pad + h * heads, h * heads
     owner = (lambda k: lambda f: f()) if consumers == 1 else (lambda k: pl.when(wg == k))
-    col = _mosaic.col_layout(plgpu)
-    sink = load_sinks(plgpu, sink_ref, h0, heads, col)
-    if share is not None and sink is not None:
-      no_sink = plgpu.layout_cast(jnp.full((heads,), -jnp.inf, jnp.float32), col)
-      sink = lax.cond(share < 0, lambda: sink, lambda: no_sink)
+    sink = load_sinks(plgpu, sink_ref, h0, heads, _mosaic.col_layout(plgpu), share)
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
     for half, acc in halves:
       o = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(q.dtype)
@@ -161,7 +159,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     if share is None:
       store_item()
     else:
-      row = share * tail[0] + t * blocks + h - (tokens * blocks - tail[0])
+      row = tail_row(tail, tokens, blocks, t, h, share)
       pl.when(share < 0)(store_item)
       pl.when(share >= 0)(lambda: store(tail_refs[0], row * heads, *tail_refs[1:], row))
     plgpu.wait_smem_to_gmem(0)
@@ -349,10 +347,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
          if persistent else ())
   items = tokens * blocks
   ctas = min(items, num_sms())
-  # A prefill's last items, short of a round, are shared out to the CTAs that would
-  # idle (a decode's LSE layout has no place for the shares).
-  tail = (tail_parts(items, ctas, sum(cdiv(i.shape[1], BLOCK_K) for i in all_indices))
-          if persistent and query_len is None else (0, 1))
+  tail = prefill_tail(items, ctas, all_indices, persistent=persistent, query_len=query_len)
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
                              tokens=tokens, splits=num_splits, query_len=query_len,
@@ -387,16 +382,9 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   else:  # rows of `row`, the first `heads` used; a direct LSE is [b, h_pad, s_q] already
     max_logits = max_logits[:, :heads]
     lse = lse if direct_lse else lse[:, :heads]
-  if shares:  # the tail items' shares combined into their rows (persistent CTAs take
-    # 16-head items, one a token, so the tail is the last r tokens)
-    r, parts = tail
-    tail_o, tail_ml, tail_lse = merge_mosaic.combine(
-        tail_out[0].reshape(parts, r * heads, D_MAIN), tail_out[2].reshape(parts, r, row),
-        tail_out[1].reshape(parts, r, row), sink, heads=h_pad)
-    # (updates in place: the torch bridge's direct launch runs them too)
-    out = lax.dynamic_update_slice(out, tail_o, ((tokens - r) * h_pad, 0))
-    max_logits = lax.dynamic_update_slice(max_logits, tail_ml.reshape(r, heads), (tokens - r, 0))
-    lse = lax.dynamic_update_slice(lse, tail_lse.reshape(r, heads), (tokens - r, 0))
+  if shares:  # persistent CTAs take 16-head items, one a token: the last r tokens
+    out, max_logits, lse = combine_tail(out, max_logits, lse, tail_out, tail, sink,
+                                        heads=h_pad)
   max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
   lse = (lse[:, :h_q] if direct_lse
          else decode_lse(lse.reshape(tokens, h_pad)[:, :h_q], query_len))
