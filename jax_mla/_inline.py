@@ -134,11 +134,17 @@ def across_row(v, combine):
   return v
 
 
+def warpgroup_thread():
+  """This thread's index in its 128-thread warpgroup, as i32."""
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+  return arith.remui(mgpu.thread_idx(), const(128))
+
+
 def lane_and_warp():
   """``(lane, warp)`` of this thread in its 128-thread warpgroup, as i32."""
   from jax._src.lib.mlir.dialects import arith
-  from jax.experimental.mosaic import gpu as mgpu
-  tid = arith.remui(mgpu.thread_idx(), const(128))
+  tid = warpgroup_thread()
   return arith.remui(tid, const(32)), arith.divui(tid, const(32))
 
 
@@ -146,8 +152,7 @@ def warpgroup_leader():
   """Whether this thread is its warpgroup's first, as an i1 (a predicate for one thread's
   arrivals and TMA issues)."""
   from jax._src.lib.mlir.dialects import arith
-  from jax.experimental.mosaic import gpu as mgpu
-  return arith.cmpi(arith.CmpIPredicate.eq, arith.remui(mgpu.thread_idx(), const(128)), const(0))
+  return arith.cmpi(arith.CmpIPredicate.eq, warpgroup_thread(), const(0))
 
 
 def block_x():

@@ -441,11 +441,10 @@ def store_lse_rows(plgpu_mod, src_ref, dst_ref, first_row, *, count: int) -> Non
   def body(ctx, src, dst, first):
     del ctx
     from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     c = _inline.const
-    tid = arith.remui(mgpu.thread_idx(), c(128))
+    tid = _inline.warpgroup_thread()
     row = arith.addi(first.registers.item(), tid)
     element = arith.addi(arith.muli(arith.remui(row, c(heads)), c(query_len)),
                          arith.divui(row, c(heads)))

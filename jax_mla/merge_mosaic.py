@@ -81,7 +81,6 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
   the flat parts: element ``s * part + (r // used) * pitch + r % used``."""
   del ctx
   from jax._src.lib.mlir.dialects import arith
-  from jax.experimental.mosaic import gpu as mgpu
 
   c32, cf = _inline.const, _inline.fconst
 
@@ -91,7 +90,7 @@ def _combine_rows(ctx, o_ref, l_ref, m_ref, sink_ref, out_ref, ml_ref, lse_ref, 
   eq = lambda a, b: arith.cmpf(arith.CmpFPredicate.OEQ, a, b)  # noqa: E731
   o, lse_in, max_in, sinks = map(_inline.global_ptr, (o_ref, l_ref, m_ref, sink_ref))
   out, ml_out, lse_out = map(_inline.global_ptr, (out_ref, ml_ref, lse_ref))
-  tid = arith.remui(mgpu.thread_idx(), c32(128))
+  tid = _inline.warpgroup_thread()
   chunks = d // _CHUNK
   chunk = arith.remui(tid, c32(chunks))
   first = arith.addi(arith.muli(_inline.block_x(), c32(ROWS)), arith.divui(tid, c32(chunks)))

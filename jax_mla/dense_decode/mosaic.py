@@ -395,7 +395,7 @@ def _zero_rows(ctx, kept_ref, nope_ref, rope_ref, *, halves: int, rope: bool):
 
   i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
   c32 = lambda v: mgpu.c(v, i32)  # noqa: E731
-  tid = arith.remui(mgpu.thread_idx(), c32(128))
+  tid = _inline.warpgroup_thread()
   kept = memref.load(kept_ref, [mgpu.c(0, ir.IndexType.get())])
   piece = arith.muli(arith.andi(tid, c32(7)), c32(16))
   nope = mgpu_utils.memref_ptr(nope_ref)

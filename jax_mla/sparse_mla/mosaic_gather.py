@@ -532,7 +532,6 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   instead of closing a ``cp.async`` group.
   """
   from jax._src.lib.mlir.dialects import arith, llvm, memref
-  from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
   groups = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
@@ -555,7 +554,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     """``(tid, lane, group, first_row)``: this thread's 16-byte piece of a 128-byte tile
     row, its row group and its first row (a pair's CTA ``r`` takes rows ``32 r + ...``)."""
     c32 = _inline.const
-    tid = arith.remui(mgpu.thread_idx(), c32(128))
+    tid = _inline.warpgroup_thread()
     group = arith.shrui(tid, c32(3))
     first_row = arith.addi(group, arith.muli(_cluster_rank(), c32(32))) if pair else group
     return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, first_row
@@ -828,7 +827,7 @@ def stage_fn(ctx, idx_ref, staged_ref, *, pair: bool = False):
   from jax.experimental.mosaic import gpu as mgpu
 
   i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-  group = arith.shrui(arith.remui(mgpu.thread_idx(), mgpu.c(128, i32)), mgpu.c(3, i32))
+  group = arith.shrui(_inline.warpgroup_thread(), mgpu.c(3, i32))
   if pair:
     group = arith.addi(group, arith.muli(_cluster_rank(), mgpu.c(32, i32)))
   groups = 128 // THREADS_PER_ROW
