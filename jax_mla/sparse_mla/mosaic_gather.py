@@ -32,8 +32,10 @@ With ``Config.half_stages`` (bf16 prefill on the head-block kernel) the producer
 each stage in two halves for :func:`jax_mla._mosaic.consume_pairs`
 (:func:`produce_halves`, FlashMLA's sm90 sparse prefill producer): each thread's copies
 arrive on the half's own mbarrier as they land (``cp.async.mbarrier.arrive.noinc``),
-so the producer waits only for free halves, never for its loads, and reads each step's
-indices from GMEM itself.
+so the producer waits only for free halves, never for its loads. It loads a pair of
+stages' indices from GMEM into registers before it waits for the pair's first free
+half, so no index load lies between a freed half and its refill (H100, V3.2 prefill
+h128: 4605 -> 4196 us; benchmarks/RESULTS.md, session 37).
 
 The gather refuses slots outside the cache itself, and, where a set has lengths, the
 positions past its token's length (``gather_fn(masked=True)``), so with a ``topk`` that
@@ -352,7 +354,11 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
   FlashMLA's sm90 sparse prefill producer. Each
   thread's copies of a half arrive on the half's mbarrier when they land
   (``cp.async.mbarrier.arrive.noinc``): the producer never waits for its own loads,
-  only for a half to be free. The indices are read from GMEM by the gather itself.
+  only for a half to be free. At the top of each pair of stages it loads both stages'
+  indices into registers (FlashMLA's producer does too), so the index loads' latency
+  overlaps the wait for the first free half instead of following each wait (H100,
+  same-process A/B, bit-equal: V3.2 h128 4605 -> 4196 us, V4 h128 topk 1024 2294 ->
+  2236 us; benchmarks/RESULTS.md, session 37).
 
   ``gather``: the set's two :func:`gather_fn` halves; ``barriers``: ``(q_bar, loaded,
   free, valid_bar)``: the query; ``loaded(part)``, the SMEM ``[2]`` 32-bit row of a
@@ -366,42 +372,59 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
   producer (``base``: that set's).
   """
   q_bar, loaded, free, valid_bar = barriers
+  steps = first[-1]
+  words = _words_layout(gather[0].index_words)
+  load_indices = plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),),
+      return_type=plgpu.ShapeDtypeStruct((128 * gather[0].index_words,), jnp.int32,
+                                         layout=words))(gather[0].load_indices)
+
+  def step_indices(i):
+    """Stage ``i``'s 64 indices in GMEM (a stage past the last reads the last's)."""
+    i = jnp.maximum(jnp.minimum(i, steps - 1), 0) + (0 if base is None else base[0])
+    return idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
+
+  def pair_indices(k):
+    """Both stages of pair ``k``: this thread's indices, loaded before any wait."""
+    return [load_indices(step_indices(2 * k + slot)) for slot in range(2)]
+
+  first_indices = pair_indices(jnp.int32(0))
   q_gate()
   for src, dst in q_copies:
     plgpu.copy_gmem_to_smem(src, dst, q_bar)
   swizzled_ref = plgpu.RefType(_mosaic.swizzled(plgpu))
   masked = gather[0].masked
-  arg_types = ((plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref, plgpu.RefType(),
-                plgpu.RefType(), plgpu.RefType(), plgpu.RefType())
+  arg_types = ((words, plgpu.RefType(), plgpu.RefType(), swizzled_ref, swizzled_ref,
+                plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType())
                + (plgpu.RefType(),) * (3 * masked))
   halves = [plgpu.inline_mgpu(arg_types=arg_types)(g) for g in gather]
-  steps = first[-1]
 
-  def unit(k, slot, h):
-    """Half ``h`` of stage ``2k + slot``."""
+  def unit(k, slot, h, indices):
+    """Half ``h`` of stage ``2k + slot`` (``indices``: the pair's, loaded)."""
     i = 2 * k + slot
     part = _mosaic.half_part(slot, h)
 
     @pl.when(i < steps)
     def _():
       pl.when(uses[slot] + k >= 1)(lambda: plgpu.barrier_wait(free.at[part]))
-      step_idx = idx_ref.at[t, pl.ds((i if base is None else i + base[0]) * BLOCK_K, BLOCK_K)]
+      step_idx = step_indices(i)
       where = ((step_idx, idx_ref.at[t, pl.ds(0, BLOCK_K)],
                 len_ref.at[gather[0].length_row, pl.ds(request, 1)]) if masked else ())
-      halves[h](step_idx, kv_ref, kv_main.at[slot], kv_rope.at[slot], valid.at[slot], step_idx,
-                step_idx, loaded(part), *where)
+      halves[h](indices[slot], step_idx, kv_ref, kv_main.at[slot], kv_rope.at[slot],
+                valid.at[slot], step_idx, step_idx, loaded(part), *where)
       if h == 0:  # the validity row, written by this half's gather
         plgpu.commit_smem()
         plgpu.barrier_arrive(valid_bar.at[slot])
 
   # The last item's last slot is freed last: stage 0 first.
   for slot, h in ((0, 0), (0, 1), (1, 1), (1, 0)):
-    unit(jnp.int32(0), slot, h)  # traced: stage 1 may be past the indices
+    unit(jnp.int32(0), slot, h, first_indices)  # traced: stage 1 may be past the indices
 
   @pl.loop(1, lax.div(steps + 1, 2))
   def _(k):
+    indices = pair_indices(k)
     for slot, h in _mosaic.PAIR_FILL_ORDER:
-      unit(k, slot, h)
+      unit(k, slot, h, indices)
 
 
 # Items of fewer key steps keep their last round: the shares' combine and the updates
@@ -526,10 +549,13 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
 
   ``half`` (bf16 rows, :func:`produce_halves`): only half ``half`` of the stage
   (:func:`jax_mla._mosaic.half_part`): 0, main columns 0-255 and the validity; 1, main
-  columns 256-511 and the RoPE columns. The step's indices are read from GMEM
-  (``staged_ref`` is then the step's 64 indices there; nothing is staged for the next
-  step), and the call's copies arrive on the half's mbarrier (the first extra ref)
-  instead of closing a ``cp.async`` group.
+  columns 256-511 and the RoPE columns. The gather takes this thread's indices of the
+  step as its first argument (``gather.load_indices(ctx, idx_ref)``, a ``WG_STRIDED``
+  array of ``gather.index_words`` int32 a thread, loaded before the producer waits for
+  the half; ``staged_ref`` is then the step's 64 indices in GMEM, whose address a
+  masked gather uses; nothing is staged for the next step), and the call's copies
+  arrive on the half's mbarrier (the first extra ref) instead of closing a
+  ``cp.async`` group.
   """
   from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -559,19 +585,19 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     first_row = arith.addi(group, arith.muli(_cluster_rank(), c32(32))) if pair else group
     return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, first_row
 
-  def locate(kv_ref, staged_ref, first_row, masked_refs):
-    """This thread's rows of the step, whose indices ``staged_ref`` holds: ``(rows,
-    oks, row addresses, scale addresses (Model1) or None)``."""
+  def thread_rows_of(first_row):
+    c32 = _inline.const
+    return [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
+
+  def locate(kv_ref, staged_ref, first_row, masked_refs, idxs=None):
+    """This thread's rows of the step, whose indices ``staged_ref`` holds (or ``idxs``,
+    loaded already): ``(rows, oks, row addresses, scale addresses (Model1) or None)``."""
     i32, i64, c32, at = _inline.int_type(), _inline.int_type(64), _inline.const, _inline.at
     c64 = functools.partial(_inline.const, bits=64)
     kv_base = _inline.global_ptr(kv_ref)
-    thread_rows = [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
-    if stage_half is None:
+    thread_rows = thread_rows_of(first_row)
+    if idxs is None:
       idxs = [memref.load(staged_ref, [arith.index_cast(_index(), row)]) for row in thread_rows]
-    else:  # halves: ``staged_ref`` is the step's indices in GMEM
-      idx_base = _inline.global_ptr(staged_ref)
-      idxs = [llvm.inline_asm(i32, [at(idx_base, arith.extui(i64, arith.muli(row, c32(4))))],
-                              "ld.global.nc.b32 $0, [$1];", "=r,l") for row in thread_rows]
     if masked:  # rows at or past this many are refused
       step_ref, row_ref, len_ref = masked_refs
       address = lambda ref: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref))  # noqa: E731
@@ -615,6 +641,19 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     lane_bytes = arith.extui(i64, arith.muli(lane, c32(fmt.bits)))
     return [(at(row, lane_bytes), at(row, c32(fmt.data_bytes, 64))) for row in rows]
 
+  def load_indices(ctx, idx_ref):
+    """``half``: this thread's rows' indices of a step (``idx_ref``, its 64 in GMEM),
+    loaded before the producer waits for the half to be free (the load's latency then
+    leaves the refill's path); the half's gather takes them as its first argument."""
+    del ctx
+    i32, i64, c32, at = _inline.int_type(), _inline.int_type(64), _inline.const, _inline.at
+    idx_base = _inline.global_ptr(idx_ref)
+    _, _, _, first_row = place()
+    return _words_array([
+        llvm.inline_asm(i32, [at(idx_base, arith.extui(i64, arith.muli(row, c32(4))))],
+                        "ld.global.nc.b32 $0, [$1];", "=r,l", has_side_effects=True)
+        for row in thread_rows_of(first_row)])
+
   def load(ctx, kv_ref, staged_ref, *masked_refs):
     """``early``: issues this thread's loads of the step's rows; returns the words."""
     del ctx
@@ -639,7 +678,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     slot's pair mbarrier (pair only), then the ``masked`` refs. ``early``: the words of
     ``gather.load`` come first."""
     del ctx
-    words, args = (_words_of(args[0]), args[1:]) if early else (None, args)
+    words, args = (_words_of(args[0]), args[1:]) if early or stage_half is not None else (
+        None, args)
     (next_idx_ref, kv_ref, main_ref, rope_ref, valid_ref, staged_ref, next_staged_ref,
      *extra_refs) = args
     pair_ref = extra_refs[0] if pair else None
@@ -681,7 +721,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       return at(dst(main_base, HALF // TILE, c32(col_tile), chunk), c32(half * BLOCK_K * HALF * 2))
 
     thread_rows, oks, rows, scales = locate(kv_ref, staged_ref, first_row,
-                                            extra_refs[-3:] if masked else ())
+                                            extra_refs[-3:] if masked else (),
+                                            words if stage_half is not None else None)
     if stages_next:
       next_src = _inline.global_ptr(next_idx_ref)
       next_dst = mgpu_utils.memref_ptr(next_staged_ref)
@@ -781,6 +822,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   gather.length_row = length_row
   gather.load = load
   gather.words = rows_per_thread * len(row_asm(0).loaded) if early else 0
+  gather.load_indices = load_indices
+  gather.index_words = rows_per_thread
   return gather
 
 
