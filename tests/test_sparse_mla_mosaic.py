@@ -169,15 +169,17 @@ def test_half_stages_lower(d_qk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q", [16, 32])
-def test_scores_far_above_the_last_max(h_q):
+@pytest.mark.parametrize("slope", [4, 10])
+def test_scores_far_above_the_last_max(h_q, slope):
   """Key rows grow along each token's indices (ascending on even tokens, descending on
-  odd ones): a step's max passes the last one's by up to about 14 (base 2), so the
-  accumulators are rescaled by tiny factors, or stays far below it (tiny ``P``)."""
+  odd ones): a step's max passes the last one's by up to about 14 (base 2; ``slope``
+  4), so the accumulators are rescaled by tiny factors, or by about 2^-5 (``slope``
+  10), or stays far below it (tiny ``P``)."""
   rng = np.random.default_rng(h_q)
   topk = 256
   idx = np.sort(np.stack([rng.permutation(S_KV)[:topk] for _ in range(S_Q)]), axis=1)
   idx[1::2] = idx[1::2, ::-1]
-  growth = 1.0 + np.arange(S_KV, dtype=np.float32)[:, None] / 4  # base-2 max: ~12 a step
+  growth = 1.0 + np.arange(S_KV, dtype=np.float32)[:, None] / slope
   kv = rng.standard_normal((S_KV, 576)).astype(np.float32) / 3 * growth
   q = rng.standard_normal((S_Q, h_q, 576)).astype(np.float32) / 3
   _check(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(idx))
@@ -306,6 +308,29 @@ def test_prefill_tail_shares(d_qk, h_q):
   out, ref = _check(q, kv, idx, topk_length=jnp.asarray(lengths, jnp.int32),
                     attn_sink=jnp.asarray(sink))
   assert rel_err(out[-2:], ref[-2:]) < 1e-2  # the tail tokens with keys, on their own
+
+
+@pytest.mark.gpu
+def test_prefill_tail_shares_from_a_later_head_block(monkeypatch):
+  """A tail whose first item is a token's second head block, so the combine's rows
+  start at head 64 and the sinks are rolled to meet them. On 132 SMs that needs 5 or
+  more head blocks a token; here the grid is told the GPU has 7 SMs: 12 tokens of 2
+  head blocks are 3 rounds and 3 items, taken in 2 shares each."""
+  tokens, h_q, topk, ctas = 12, 128, 1024, 7
+  r, parts = tail_parts(tokens * 2, ctas, topk // 64)
+  assert (r, parts) == (3, 2) and (tokens * 2 - r) % 2 == 1  # starts at head block 1
+  monkeypatch.setattr(mosaic, "num_sms", lambda: ctas)
+  jax.clear_caches()  # no program traced for the real SM count may serve this call
+  rng = np.random.default_rng(7)
+  q, kv, idx = _case(rng, tokens, h_q, 576, S_KV, topk)
+  lengths = rng.integers(0, topk + 1, tokens)
+  lengths[-2:] = 5, topk
+  sink = rng.standard_normal(h_q).astype(np.float32)
+  sink[::5], sink[1::5] = np.inf, -np.inf
+  out, ref = _check(q, kv, idx, topk_length=jnp.asarray(lengths, jnp.int32),
+                    attn_sink=jnp.asarray(sink))
+  assert rel_err(out[-2:], ref[-2:]) < 1e-2  # the tail tokens, on their own
+  jax.clear_caches()
 
 
 @pytest.mark.gpu
