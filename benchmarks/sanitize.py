@@ -56,7 +56,7 @@ def sparse_prefill(impl):
   """Both ``d_qk``; 128 heads and 24 (Mosaic GPU: the transposed kernel, padded heads);
   topk 150 (Mosaic GPU: the index pre-pass) and 192 (the gather masks the lengths); topk
   1024 at 128 and 64 heads; 16 and 64 heads over 271 tokens; 16 and 128 heads over 135
-  tokens of topk 1024."""
+  tokens of topk 1024; 64 heads over 141 full-length tokens of topk 1024."""
   rng = np.random.default_rng(0)
   for d_qk, h_q, topk in ((576, 128, 150), (512, 128, 150), (576, 24, 150), (576, 128, 192),
                           (576, 24, 192), (576, 128, 1024), (512, 64, 1024)):
@@ -80,6 +80,14 @@ def sparse_prefill(impl):
                              jnp.asarray(idx), sm_scale=576 ** -0.5,
                              topk_length=jnp.asarray(rng.integers(-1, topk + 68, s_q), jnp.int32),
                              attn_sink=jnp.zeros((h_q,), jnp.float32), implementation=impl)[0]
+  # 141 tokens of 16 steps at 64 heads: the 9 items past 132 go in 14 shares of 2 steps,
+  # so shares 8-13 are empty and start at their index row's end.
+  s_q, topk = 141, 1024
+  idx = _bad_indices(rng, (s_q, topk), s_kv)
+  kv = _nan_unused(rng.standard_normal((s_kv, 576)).astype(np.float32) / 3, idx)
+  q = rng.standard_normal((s_q, 64, 576)) / 3
+  yield sparse_mla_prefill(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
+                           jnp.asarray(idx), sm_scale=576 ** -0.5, implementation=impl)[0]
 
 QUANTIZE = {"fp8_ds_mla": quantize_fp8_ds_mla, "fp8_model1": quantize_fp8_model1_cache,
             "fp8_v41": quantize_fp8_v41, "fp4_v41": quantize_fp4_v41}

@@ -311,6 +311,21 @@ def test_prefill_tail_shares(d_qk, h_q):
 
 
 @pytest.mark.gpu
+def test_prefill_tail_with_empty_shares():
+  """The SMs' count plus 9 tokens of 64 heads and 16 key steps: the last 9 items go in
+  14 shares of 2 steps, so shares 8-13 are empty and start at their index row's end,
+  where the half-stage producer's early index loads must not read."""
+  s_q, topk = _mosaic.num_sms() + 9, 1024
+  r, parts = tail_parts(s_q, _mosaic.num_sms(), topk // 64)
+  assert r == 9 and -(-(topk // 64) // parts) * parts > topk // 64  # some shares empty
+  rng = np.random.default_rng(9)
+  q, kv, idx = _case(rng, s_q, 64, 576, S_KV, topk)
+  sink = jnp.asarray(rng.standard_normal(64), jnp.float32)
+  out, ref = _check(q, kv, idx, attn_sink=sink)
+  assert rel_err(out[-9:], ref[-9:]) < 1e-2  # the tail tokens, on their own
+
+
+@pytest.mark.gpu
 def test_prefill_tail_shares_from_a_later_head_block(monkeypatch):
   """A tail whose first item is a token's second head block, so the combine's rows
   start at head 64 and the sinks are rolled to meet them. On 132 SMs that needs 5 or

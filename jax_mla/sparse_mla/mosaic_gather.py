@@ -380,9 +380,12 @@ def produce_halves(plgpu, *, t, q_copies, gather, idx_ref, kv_ref, len_ref, kv_m
                                          layout=words))(gather[0].load_indices)
 
   def step_indices(i):
-    """Stage ``i``'s 64 indices in GMEM (a stage past the last reads the last's)."""
-    i = jnp.maximum(jnp.minimum(i, steps - 1), 0) + (0 if base is None else base[0])
-    return idx_ref.at[t, pl.ds(i * BLOCK_K, BLOCK_K)]
+    """Stage ``i``'s 64 indices in GMEM. A stage past the last (its loads are issued for
+    a pair's both stages) reads a block of the row that exists: the last stage's, or
+    for an empty share, whose base may be the row's end, the row's last."""
+    block = jnp.maximum(jnp.minimum(i, steps - 1), 0) + (0 if base is None else base[0])
+    block = jnp.minimum(block, idx_ref.shape[1] // BLOCK_K - 1)
+    return idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)]
 
   def pair_indices(k):
     """Both stages of pair ``k``: this thread's indices, loaded before any wait."""
