@@ -589,6 +589,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, first_row
 
   def thread_rows_of(first_row):
+    """This thread's rows of a step: ``first_row``, then every ``groups``-th after it."""
     c32 = _inline.const
     return [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
 
