@@ -275,12 +275,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     if pair:
       h = h * 2 + lax.axis_index("c")
     request = t if query_len is None else lax.div(t, query_len)
-    first = first_steps(len_ref, request, idx_refs,
-                        [g[0] for g in gathers] if halves else gathers)
-    if share is None:
-      first, base = split_steps(first, splits)
-    else:
-      first, base = split_steps(first, tail[1], share)
+    first, base = split_steps(first_steps(len_ref, request, idx_refs,
+                                          [g[0] for g in gathers] if halves else gathers),
+                              splits if share is None else tail[1], share)
     return h * BLOCK_H, request, first, base
 
   def for_each_item(body):

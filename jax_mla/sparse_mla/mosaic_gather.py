@@ -585,13 +585,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     c32 = _inline.const
     tid = _inline.warpgroup_thread()
     group = arith.shrui(tid, c32(3))
-    first_row = arith.addi(group, arith.muli(_cluster_rank(), c32(32))) if pair else group
-    return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, first_row
-
-  def thread_rows_of(first_row):
-    """This thread's rows of a step: ``first_row``, then every ``groups``-th after it."""
-    c32 = _inline.const
-    return [arith.addi(first_row, c32(r * groups)) for r in range(rows_per_thread)]
+    return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, _first_row(group, pair)
 
   def locate(kv_ref, staged_ref, first_row, masked_refs, idxs=None):
     """This thread's rows of the step, whose indices ``staged_ref`` holds (or ``idxs``,
@@ -599,7 +593,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     i32, i64, c32, at = _inline.int_type(), _inline.int_type(64), _inline.const, _inline.at
     c64 = functools.partial(_inline.const, bits=64)
     kv_base = _inline.global_ptr(kv_ref)
-    thread_rows = thread_rows_of(first_row)
+    thread_rows = _thread_rows(first_row, pair)
     if idxs is None:
       idxs = [memref.load(staged_ref, [arith.index_cast(_index(), row)]) for row in thread_rows]
     if masked:  # rows at or past this many are refused
@@ -656,7 +650,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     return _words_array([
         llvm.inline_asm(i32, [at(idx_base, arith.extui(i64, arith.muli(row, c32(4))))],
                         "ld.global.nc.b32 $0, [$1];", "=r,l", has_side_effects=True)
-        for row in thread_rows_of(first_row)])
+        for row in _thread_rows(first_row, pair)])
 
   def load(ctx, kv_ref, staged_ref, *masked_refs):
     """``early``: issues this thread's loads of the step's rows; returns the words."""
@@ -873,14 +867,28 @@ def stage_fn(ctx, idx_ref, staged_ref, *, pair: bool = False):
   from jax._src.lib.mlir.dialects import arith, memref
   from jax.experimental.mosaic import gpu as mgpu
 
-  i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-  group = arith.shrui(_inline.warpgroup_thread(), mgpu.c(3, i32))
-  if pair:
-    group = arith.addi(group, arith.muli(_cluster_rank(), mgpu.c(32, i32)))
-  groups = 128 // THREADS_PER_ROW
-  for r in range(BLOCK_K // groups // (1 + pair)):
-    row = arith.index_cast(index, arith.addi(group, mgpu.c(r * groups, i32)))
+  index = ir.IndexType.get()
+  group = arith.shrui(_inline.warpgroup_thread(), mgpu.c(3, ir.IntegerType.get_signless(32)))
+  for row in _thread_rows(_first_row(group, pair), pair):
+    row = arith.index_cast(index, row)
     memref.store(memref.load(idx_ref, [row]), staged_ref, [row])
+
+
+def _first_row(group, pair: bool):
+  """The first of a thread's rows of a step, from its 8-thread ``group`` (0-15): the
+  group itself, or in a pair's CTA ``r``, which takes rows ``32 r ..``, ``32 r +
+  group`` (i32, inside an inline body)."""
+  from jax._src.lib.mlir.dialects import arith
+  return arith.addi(group, arith.muli(_cluster_rank(), _inline.const(32))) if pair else group
+
+
+def _thread_rows(first_row, pair: bool):
+  """A thread's rows of a 64-row step: ``first_row`` (:func:`_first_row`), then every
+  16th (8 threads a row), 4 rows, or 2 in a pair's CTA (i32, inside an inline body)."""
+  from jax._src.lib.mlir.dialects import arith
+  groups = 128 // THREADS_PER_ROW
+  return [arith.addi(first_row, _inline.const(r * groups))
+          for r in range(BLOCK_K // groups // (1 + pair))]
 
 
 def _cluster_rank():

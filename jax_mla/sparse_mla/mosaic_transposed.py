@@ -101,11 +101,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     """Token ``t``, head block ``h`` (``share`` of it: a tail item's, or -1 for all):
     ``(first query row, request, first, base)``."""
     request = t if query_len is None else lax.div(t, query_len)
-    first = first_steps(len_ref, request, idx_refs, gathers)
-    if share is None:
-      first, base = split_steps(first, splits)
-    else:
-      first, base = split_steps(first, tail[1], share)
+    first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers),
+                              splits if share is None else tail[1], share)
     return t * h_pad + h * heads, request, first, base
 
   def key_mask(slot):
