@@ -3,6 +3,8 @@ repetitions after warm-up, over rotating input sets so L2 does not flatter us.
 
 With ``JAX_MLA_BENCH_SMOKE=1`` (``python -m benchmarks.run --smoke``) timing runs two
 input sets once each: the figures mean nothing, the point is that every module runs.
+``JAX_MLA_BENCH_CALLS_PER_PASS`` sets the side-by-side timers' calls a pass (default
+16; :data:`MIN_CALLS_PER_PASS`).
 """
 
 from __future__ import annotations
@@ -102,11 +104,13 @@ def time_calls_us(calls, sync, *, reps: int = 10) -> float:
 @dataclasses.dataclass(frozen=True)
 class SideBySide:
   """Per-call times of one row for jax-mla and its peer, in microseconds: wall clock by
-  :func:`time_calls_us`, GPU time by :func:`gpu_pass_us` (None where it cannot be read)."""
+  :func:`time_calls_us`, GPU time by :func:`gpu_pass_us` (None where it cannot be read),
+  both over passes of ``calls``."""
   ours: float
   peer: float
   ours_gpu: float | None
   peer_gpu: float | None
+  calls: int
 
   def measures(self) -> list[tuple[str, float, float]]:
     """``(label, ours, peer)``: the wall clock (label ""), then the GPU time (label
@@ -120,14 +124,23 @@ class SideBySide:
     """Both libraries' times and ``peer``'s time over ours, wall clock then GPU time."""
     parts = [f"{label.strip(' ()') or 'wall'}: ours {ours:.1f} us, {peer} {theirs:.1f} us, "
              f"{peer}/ours {theirs / ours:.3f}" for label, ours, theirs in self.measures()]
-    return "; ".join(parts) + ("" if len(parts) > 1 else "; GPU time not read")
+    return (f"{self.calls} calls a pass; " + "; ".join(parts)
+            + ("" if len(parts) > 1 else "; GPU time not read"))
+
+
+def _calls_per_pass() -> int:
+  value = os.environ.get("JAX_MLA_BENCH_CALLS_PER_PASS", "16")
+  if not value.isdigit() or int(value) < 1:
+    raise ValueError(f"JAX_MLA_BENCH_CALLS_PER_PASS must be a positive integer; got {value!r}")
+  return int(value)
 
 
 # Calls in a side-by-side pass at the least. A pass carries the host's latency once (on
 # the H100 machine about 300-450 us for a jitted JAX op, 150-200 for a torch one), and
 # the prefill rows have 4 input sets: over 4 calls that latency was 80-100 us of a 600 us
-# JAX call (RESULTS.md, session 36).
-MIN_CALLS_PER_PASS = 16
+# JAX call (RESULTS.md, session 36). The longer the pass, the less of it a call carries
+# (RESULTS.md, session 38).
+MIN_CALLS_PER_PASS = _calls_per_pass()
 
 
 def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
@@ -145,8 +158,8 @@ def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
     for spans, calls, sync in zip(gpu, (ours, peer), (sync_jax, sync_torch), strict=True):
       spans.append(gpu_pass_us(calls, sync))
   if any(None in spans for spans in gpu):
-    return SideBySide(*wall, None, None)
-  return SideBySide(*wall, *(float(np.median(spans)) for spans in gpu))
+    return SideBySide(*wall, None, None, len(ours))
+  return SideBySide(*wall, *(float(np.median(spans)) for spans in gpu), len(ours))
 
 
 def gpu_pass_us(calls, sync) -> float | None:

@@ -68,3 +68,17 @@ def test_gpu_busy_time_is_the_union_of_the_intervals():
   assert busy_us([]) == 0
   assert busy_us([(0, 10), (30, 35)]) == 15  # a 20 us wait for the host left out
   assert busy_us([(5, 20), (0, 10), (8, 12), (30, 31)]) == 21  # overlapping, nested, unsorted
+
+
+def test_side_by_side_pass_length_from_the_environment(monkeypatch):
+  """``JAX_MLA_BENCH_CALLS_PER_PASS`` sets the side-by-side pass (16 by default); a
+  value that is not a positive integer is refused by name."""
+  from benchmarks import harness
+  monkeypatch.delenv("JAX_MLA_BENCH_CALLS_PER_PASS", raising=False)
+  assert harness._calls_per_pass() == 16
+  monkeypatch.setenv("JAX_MLA_BENCH_CALLS_PER_PASS", "64")
+  assert harness._calls_per_pass() == 64
+  for bad in ("0", "-4", "x"):
+    monkeypatch.setenv("JAX_MLA_BENCH_CALLS_PER_PASS", bad)
+    with pytest.raises(ValueError, match="JAX_MLA_BENCH_CALLS_PER_PASS"):
+      harness._calls_per_pass()
