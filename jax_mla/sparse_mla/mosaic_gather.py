@@ -70,6 +70,7 @@ HALF = 256  # columns of one half of the 512 main columns (wgmma N <= 256)
 D_MAIN = 512  # columns held as two 256-wide halves: V, and K's NoPE part
 TILE = 64  # bf16 columns in one 128-byte swizzled tile row
 THREADS_PER_ROW = TILE * 2 // 16  # 16-byte copies per tile row
+_ROW_GROUPS = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
 # A producer's registers for early loads (:func:`gather_fn`): a step's loaded words (80
 # for fp8_ds_mla) held across the wait, beside the gather's addresses.
 EARLY_MIN_REGISTERS = 160
@@ -563,8 +564,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-  groups = 128 // THREADS_PER_ROW  # a thread's rows: group, group + 16, group + 32, ...
-  rows_per_thread = BLOCK_K // groups // (1 + pair)
+  rows_per_thread = _rows_per_thread(pair)
   if pair and not dequantized(fmt):
     raise ValueError("a CTA pair shares only dequantized rows (bf16 rows are cp.async copies)")
   if early and (pair or not dequantized(fmt)):
@@ -711,8 +711,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                                   arith.muli(arith.xori(chunk, r8), c32(16))))
       return at(buf, off)
 
-    row_stride = (groups // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
-    rope_stride = (groups // 8) * 8 * 128
+    row_stride = (_ROW_GROUPS // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
+    rope_stride = (_ROW_GROUPS // 8) * 8 * 128
 
     def main_dst(col_tile: int, chunk):  # main_ref: [2 halves][8 row tiles][4 col tiles][8][64]
       half, col_tile = divmod(col_tile, HALF // TILE)
@@ -882,13 +882,18 @@ def _first_row(group, pair: bool):
   return arith.addi(group, arith.muli(_cluster_rank(), _inline.const(32))) if pair else group
 
 
+def _rows_per_thread(pair: bool) -> int:
+  """How many rows of a 64-row step a thread takes: 4, or 2 in a pair's CTA."""
+  return BLOCK_K // _ROW_GROUPS // (1 + pair)
+
+
 def _thread_rows(first_row, pair: bool):
   """A thread's rows of a 64-row step: ``first_row`` (:func:`_first_row`), then every
-  16th (8 threads a row), 4 rows, or 2 in a pair's CTA (i32, inside an inline body)."""
+  16th (8 threads a row), :func:`_rows_per_thread` of them (i32, inside an inline
+  body)."""
   from jax._src.lib.mlir.dialects import arith
-  groups = 128 // THREADS_PER_ROW
-  return [arith.addi(first_row, _inline.const(r * groups))
-          for r in range(BLOCK_K // groups // (1 + pair))]
+  return [arith.addi(first_row, _inline.const(r * _ROW_GROUPS))
+          for r in range(_rows_per_thread(pair))]
 
 
 def _cluster_rank():
