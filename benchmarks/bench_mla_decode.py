@@ -144,11 +144,16 @@ def _case_sets(case: Case):
 
 def side_by_side(fm, case: Case, sets, figure) -> list[Row]:
   """The public op (its default kernel) and FlashMLA on the same input sets with the
-  same timer (benchmarks/flashmla_peer.py), after comparing their outputs."""
+  same timer (benchmarks/flashmla_peer.py), after comparing their outputs, and the same
+  FlashMLA calls on our torch bridge."""
   ours = jax.jit(mla_decode_paged)
-  meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes and lengths
-  theirs = [flashmla_peer.dense_decode(fm, meta, *s) for s in sets]
-  t = flashmla_peer.compare_and_time(case.name, ours, theirs, sets, lse_at=1)
+
+  def calls(lib):  # one schedule for every set: same shapes and lengths
+    meta = lib.get_mla_metadata()[0]
+    return [flashmla_peer.dense_decode(lib, meta, *s) for s in sets]
+
+  theirs, bridged = calls(fm), calls(flashmla_peer.bridge())
+  t = flashmla_peer.compare_and_time(case.name, ours, theirs, sets, lse_at=1, bridged=bridged)
   return flashmla_peer.rows("mla_decode_paged vs FlashMLA", case.name, t, figure, case.unit)
 
 

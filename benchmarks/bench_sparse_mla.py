@@ -303,20 +303,29 @@ def _padded_heads(spec, sets):
 
 def side_by_side(fm, name: str, spec, sets, flop: float) -> list[Row]:
   """The public op (its default kernel) and FlashMLA on the same input sets with the
-  same timer (benchmarks/flashmla_peer.py), after comparing their outputs. Head counts
-  FlashMLA does not take run padded to 64 heads on its side (:func:`_padded_heads`)."""
+  same timer (benchmarks/flashmla_peer.py), after comparing their outputs, and the same
+  FlashMLA calls on our torch bridge. Head counts FlashMLA does not take run padded to
+  64 heads on its side (:func:`_padded_heads`); the bridge takes them as they are."""
   peer_sets, keep = _padded_heads(spec, sets)
   if isinstance(spec, Prefill):
     ours = jax.jit(_prefill_call(spec))
-    theirs = [flashmla_peer.sparse_prefill(fm, *s, spec.d_qk ** -0.5) for s in peer_sets]
+
+    def calls(lib, inputs):
+      return [flashmla_peer.sparse_prefill(lib, *s, spec.d_qk ** -0.5) for s in inputs]
+
     lse_at = 2
   else:
     ours = jax.jit(_decode_call(spec))
-    meta = fm.get_mla_metadata()[0]  # one schedule for every set: same shapes
-    theirs = [flashmla_peer.sparse_decode(fm, meta, *s, kv_cache_dtype=spec.dtype)
-              for s in peer_sets]
+
+    def calls(lib, inputs):  # one schedule for every set: same shapes
+      meta = lib.get_mla_metadata()[0]
+      return [flashmla_peer.sparse_decode(lib, meta, *s, kv_cache_dtype=spec.dtype)
+              for s in inputs]
+
     lse_at = 1
-  t = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at, keep=keep)
+  theirs, bridged = calls(fm, peer_sets), calls(flashmla_peer.bridge(), sets)
+  t = flashmla_peer.compare_and_time(name, ours, theirs, sets, lse_at, keep=keep,
+                                     bridged=bridged)
   return flashmla_peer.rows("sparse_mla vs FlashMLA", name, t, lambda us: flop / us / 1e6,
                             "TFLOP/s")
 

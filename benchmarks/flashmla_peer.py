@@ -7,6 +7,10 @@ libraries in one process. FlashMLA reads our arrays through DLPack without a cop
 then both are timed by ``benchmarks.harness.time_side_by_side`` (wall clock, and GPU
 time from a CUPTI trace). Nothing of FlashMLA is in this repository; put its package on
 ``PYTHONPATH`` to enable the mode.
+
+The same call builders also make FlashMLA's calls on :mod:`torch_bridge.ops`, our
+FlashMLA drop-ins (:func:`bridge`): our kernels called from torch as FlashMLA is, timed
+beside both as a third contender.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ def load():
     return importlib.import_module("flash_mla")
   except ImportError:
     return None
+
+
+def bridge():
+  """:mod:`torch_bridge.ops`: FlashMLA's interface on jax-mla's kernels (on Hopper
+  launched directly on torch's stream), for the call builders below."""
+  from torch_bridge import ops
+  return ops
 
 
 def _torch(a):
@@ -93,17 +104,23 @@ def from_torch(t):
   return to_jax(t.contiguous())
 
 
-def compare_and_time(name: str, ours, theirs, sets, lse_at: int, keep=None) -> SideBySide:
+def compare_and_time(name: str, ours, theirs, sets, lse_at: int, keep=None,
+                     bridged=None) -> SideBySide:
   """``ours`` (a jitted op over a set) against ``theirs`` (one FlashMLA call per set):
   outputs compared on the first set (``out`` asserted, ``lse`` at ``lse_at`` printed;
   ``keep``, where given, selects the part of FlashMLA's outputs that is ours: its
-  padding heads dropped), then both timed by ``time_side_by_side``."""
+  padding heads dropped), then both timed by ``time_side_by_side``. ``bridged``: the
+  same calls on :func:`bridge` (unpadded), whose ``out`` is asserted against ours and
+  which is timed beside them."""
   got, peer = ours(*sets[0]), [from_torch(t) for t in theirs[0]()]
   if keep is not None:
     peer = keep(peer)
   check_close(f"{name}: ours vs FlashMLA out", got[0], peer[0])
   lse_err = rel_err(got[lse_at], peer[lse_at])
-  t = time_side_by_side([functools.partial(ours, *s) for s in sets], theirs)
+  if bridged is not None:
+    check_close(f"{name}: ours through the torch bridge vs ours out",
+                from_torch(bridged[0]()[0]), got[0])
+  t = time_side_by_side([functools.partial(ours, *s) for s in sets], theirs, bridged=bridged)
   print(f"side by side {name}: {t.summary('FlashMLA')}; lse rel err {lse_err:.1e}", flush=True)
   return t
 

@@ -105,27 +105,36 @@ def time_calls_us(calls, sync, *, reps: int = 10) -> float:
 class SideBySide:
   """Per-call times of one row for jax-mla and its peer, in microseconds: wall clock by
   :func:`time_calls_us`, GPU time by :func:`gpu_pass_us` (None where it cannot be read),
-  both over passes of ``calls``."""
+  both over passes of ``calls``. ``bridge``, ``bridge_gpu``: jax-mla's op called as the
+  peer is, from torch through :mod:`torch_bridge` (the same timers; None where not
+  timed)."""
   ours: float
   peer: float
   ours_gpu: float | None
   peer_gpu: float | None
   calls: int
+  bridge: float | None = None
+  bridge_gpu: float | None = None
 
   def measures(self) -> list[tuple[str, float, float]]:
     """``(label, ours, peer)``: the wall clock (label ""), then the GPU time (label
-    " (GPU time)") where it was read."""
+    " (GPU time)") where it was read, then the same two through the torch bridge
+    (" (torch bridge)", " (torch bridge, GPU time)") where timed."""
     out = [("", self.ours, self.peer)]
     if self.ours_gpu is not None and self.peer_gpu is not None:
       out.append((" (GPU time)", self.ours_gpu, self.peer_gpu))
+    if self.bridge is not None:
+      out.append((" (torch bridge)", self.bridge, self.peer))
+    if self.bridge_gpu is not None and self.peer_gpu is not None:
+      out.append((" (torch bridge, GPU time)", self.bridge_gpu, self.peer_gpu))
     return out
 
   def summary(self, peer: str) -> str:
-    """Both libraries' times and ``peer``'s time over ours, wall clock then GPU time."""
+    """Both libraries' times and ``peer``'s time over ours, by each measure."""
     parts = [f"{label.strip(' ()') or 'wall'}: ours {ours:.1f} us, {peer} {theirs:.1f} us, "
              f"{peer}/ours {theirs / ours:.3f}" for label, ours, theirs in self.measures()]
     return (f"{self.calls} calls a pass; " + "; ".join(parts)
-            + ("" if len(parts) > 1 else "; GPU time not read"))
+            + ("" if self.ours_gpu is not None else "; GPU time not read"))
 
 
 def _calls_per_pass() -> int:
@@ -143,23 +152,30 @@ def _calls_per_pass() -> int:
 MIN_CALLS_PER_PASS = _calls_per_pass()
 
 
-def time_side_by_side(ours, peer, *, gpu_passes: int = 3) -> SideBySide:
-  """Times ``ours`` (zero-argument jitted JAX calls, one per input set) and ``peer`` (the
-  same calls of a torch library) with the same timers: :func:`time_calls_us`, then the
-  median over ``gpu_passes`` of :func:`gpu_pass_us`, the two libraries' passes taken in
-  turn so that a drifting clock weighs on both alike. A pass takes the sets in turn, at
-  least :data:`MIN_CALLS_PER_PASS` calls (the sets again from the first where there are
-  fewer), so the latency a pass carries weighs alike on every row."""
+def time_side_by_side(ours, peer, *, bridged=None, gpu_passes: int = 3) -> SideBySide:
+  """Times ``ours`` (zero-argument jitted JAX calls, one per input set), ``peer`` (the
+  same calls of a torch library) and, where given, ``bridged`` (ours called as the peer
+  is, torch tensors through :mod:`torch_bridge`) with the same timers:
+  :func:`time_calls_us`, then the median over ``gpu_passes`` of :func:`gpu_pass_us`, the
+  contenders' passes taken in turn so that a drifting clock weighs on all alike. A pass
+  takes the sets in turn, at least :data:`MIN_CALLS_PER_PASS` calls (the sets again from
+  the first where there are fewer), so the latency a pass carries weighs alike on every
+  row. The bridged calls run on torch's runtime and are synchronised as the peer's: the
+  two wall clocks of ours differ by the runtimes' latencies (RESULTS.md, session 39)."""
   turns = -(-MIN_CALLS_PER_PASS // len(ours))
-  ours, peer = list(ours) * turns, list(peer) * turns
-  wall = time_calls_us(ours, sync_jax), time_calls_us(peer, sync_torch)
-  gpu = [], []
+  contenders = [(list(ours) * turns, sync_jax), (list(peer) * turns, sync_torch)]
+  if bridged is not None:
+    contenders.append((list(bridged) * turns, sync_torch))
+  wall = [time_calls_us(calls, sync) for calls, sync in contenders]
+  spans = [[] for _ in contenders]
   for _ in range(gpu_passes):
-    for spans, calls, sync in zip(gpu, (ours, peer), (sync_jax, sync_torch), strict=True):
-      spans.append(gpu_pass_us(calls, sync))
-  if any(None in spans for spans in gpu):
-    return SideBySide(*wall, None, None, len(ours))
-  return SideBySide(*wall, *(float(np.median(spans)) for spans in gpu), len(ours))
+    for times, (calls, sync) in zip(spans, contenders, strict=True):
+      times.append(gpu_pass_us(calls, sync))
+  gpu = [None if None in times else float(np.median(times)) for times in spans]
+  if gpu[0] is None or gpu[1] is None:
+    gpu = [None] * len(contenders)
+  return SideBySide(wall[0], wall[1], gpu[0], gpu[1], len(contenders[0][0]),
+                    *([wall[2], gpu[2]] if bridged is not None else []))
 
 
 def gpu_pass_us(calls, sync) -> float | None:

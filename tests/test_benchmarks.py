@@ -82,3 +82,31 @@ def test_side_by_side_pass_length_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAX_MLA_BENCH_CALLS_PER_PASS", bad)
     with pytest.raises(ValueError, match="JAX_MLA_BENCH_CALLS_PER_PASS"):
       harness._calls_per_pass()
+
+
+@pytest.mark.parametrize("row", ["sparse decode", "sparse prefill", "dense decode"])
+def test_flashmla_side_by_side_times_the_bridge_beside_both(monkeypatch, row):
+  """The FlashMLA side-by-side rows with our own FlashMLA drop-ins (torch_bridge.ops)
+  standing in for FlashMLA: each row's FlashMLA calls (padded to 64 heads where FlashMLA
+  needs them) and the same calls on the bridge are compared with ours, then all three are
+  timed; the bridge's rows say so in their label and keep FlashMLA as the anchor."""
+  pytest.importorskip("torch")
+  from benchmarks import bench_mla_decode, bench_sparse_mla, flashmla_peer, harness
+  from torch_bridge import ops
+
+  monkeypatch.setattr(harness, "SMOKE", True)
+  if row == "dense decode":
+    case = bench_mla_decode.Case("stand-in", 2, 1, 16, 128, 64, None, "TB/s")
+    sets = bench_mla_decode._case_sets(case)[0]
+    rows = bench_mla_decode.side_by_side(ops, case, sets, lambda us: 1 / us)
+  else:
+    if row == "sparse decode":
+      spec = bench_sparse_mla.Decode("fp8_ds_mla", 2, 1, 16, 64, 64, None, None, 128, None)
+      sets, flop = bench_sparse_mla._decode_sets(spec)
+    else:
+      spec = bench_sparse_mla.Prefill(8, 16, 64, 576, 128, True, None)
+      sets, flop = bench_sparse_mla._prefill_sets(spec)
+    rows = bench_sparse_mla.side_by_side(ops, "stand-in", spec, sets, flop)
+  labels = [r.op.split(" vs FlashMLA")[1] for r in rows]
+  assert labels == ["", " (torch bridge)"]  # no GPU time on the CPU
+  assert {r.anchor_name for r in rows} == {flashmla_peer.NAME}
