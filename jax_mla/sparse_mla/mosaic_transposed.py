@@ -319,12 +319,12 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, heads, num_stages)
   # One consumer, no splits, at most 16 heads a CTA: a CTA per SM takes item after item,
   # its producers gathering the next item's first stages while the consumer finishes
-  # the last one, and the next query landing in a second buffer (188 of 227 KiB of
+  # the last one, and the next query landing in a second buffer (190 of 227 KiB of
   # SMEM; 32 heads a CTA do not fit two, and with one they were 2-4% slower). Keep the
   # 16-head kernel within the 196 KiB shared-memory carve-out: past it the driver leaves
   # L1 28 KiB instead of 60, and the gather's row loads, which go through L1, ran 10%
-  # slower (16 KiB more SMEM: fp8_ds_mla h16 154 -> 169 us; benchmarks/RESULTS.md,
-  # session 39).
+  # slower (16 KiB more SMEM: fp8_ds_mla h16 154 -> 169 us); more L1 than 60 KiB gained
+  # nothing (benchmarks/RESULTS.md, session 39).
   persistent = config.consumers == 1 and num_splits == 1 and heads <= 16
   q_buffers = 2 if persistent else 1
   smem = (
