@@ -110,3 +110,20 @@ def test_flashmla_side_by_side_times_the_bridge_beside_both(monkeypatch, row):
   labels = [r.op.split(" vs FlashMLA")[1] for r in rows]
   assert labels == ["", " (torch bridge)"]  # no GPU time on the CPU
   assert {r.anchor_name for r in rows} == {flashmla_peer.NAME}
+
+
+def test_wall_clock_stops_before_the_outputs_are_freed(monkeypatch):
+  """time_calls_us stops its clock at the sync's return; the pass's outputs are freed
+  after it (deleting jax.Arrays is host work a caller's next calls hide)."""
+  from benchmarks import harness
+  log = []
+
+  class Output:
+    def __del__(self):
+      log.append("free")
+
+  ticks = iter(range(1000))
+  monkeypatch.setattr(harness.time, "perf_counter", lambda: log.append("clock") or next(ticks))
+  harness.time_calls_us([Output, Output], lambda outs: log.append("sync"), reps=3)
+  timed = log[log.index("clock"):]  # the warm-up passes come first
+  assert timed == ["clock", "sync", "clock", "free", "free"] * 3, timed
