@@ -181,8 +181,7 @@ def time_side_by_side(ours, peer, *, bridged=None, gpu_passes: int = 3) -> SideB
   gpu = [None if None in times else float(np.median(times)) for times in spans]
   if gpu[0] is None or gpu[1] is None:
     gpu = [None] * len(contenders)
-  return SideBySide(wall[0], wall[1], gpu[0], gpu[1], len(contenders[0][0]),
-                    *([wall[2], gpu[2]] if bridged is not None else []))
+  return SideBySide(*wall[:2], *gpu[:2], len(contenders[0][0]), *wall[2:], *gpu[2:])
 
 
 def gpu_pass_us(calls, sync) -> float | None:
