@@ -689,6 +689,32 @@ def test_direct_plan_of_sparse_prefill_with_shares_updates_in_place():
     assert (raw[:-tail] == 0x3F).all() and (raw[-tail:] == 0x41).all()
 
 
+@pytest.mark.parametrize("shape,index,words", [
+    ((3, 64, 16), (slice(None), slice(0, 48)), True),  # the 48-head slice of 64
+    ((2, 5, 12), (slice(None), slice(1, 4), slice(4, 12)), True),
+    ((3, 7, 6), (slice(None), slice(1, 5)), False),  # rows of 12 bytes
+    ((4, 5, 8), (slice(None), slice(None), slice(1, 5)), False),  # rows 2 bytes off a word
+])
+def test_direct_copies_are_bitwise_as_words_or_elements(shape, index, words):
+  """The plan's copies of strided views (``_row_major_copy``, ``_pad``) equal torch's
+  ``contiguous()`` and ``F.pad`` bit for bit, NaN payloads included: as 8-byte words where
+  the rows are whole aligned words, element by element where they are not."""
+  from torch_bridge import _direct
+  bits = torch.randint(-2**15, 2**15, shape, dtype=torch.int16,
+                       generator=torch.Generator().manual_seed(sum(shape)))
+  x = bits.view(torch.bfloat16)[index]
+  assert not x.is_contiguous() and (_direct._as_words(x) is not None) == words
+  got = _direct._row_major_copy(x)
+  assert got.is_contiguous() and torch.equal(got.view(torch.int16),
+                                             x.contiguous().view(torch.int16))
+  for low, high, value in (((0, 0, 0), (1, 16, 0), 0.0), ((0, 2, 0), (0, 1, 0), float("-inf")),
+                           ((0, 0, 1), (0, 0, 2), 1.5)):
+    pads = [p for lo, hi in zip(reversed(low), reversed(high), strict=True) for p in (lo, hi)]
+    want = torch.nn.functional.pad(x, pads, value=value)
+    assert torch.equal(_direct._pad(x, low, high, value).view(torch.int16),
+                       want.view(torch.int16))
+
+
 def test_direct_plan_refuses_updates_of_a_calls_tensor():
   """An update in place is for a kernel's own buffer: into a call's tensor, the program
   takes the PJRT path (a call leaves its tensors as they were)."""
