@@ -246,11 +246,11 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
   a strided tensor one element a thread, and a bf16 copy then ran at half the speed of
   XLA's (H100, the 48-head decode's output slice: 16.6 vs 9.0 us; RESULTS.md, session
   40). A copy is bitwise either way."""
-  words = _as_words(dst), _as_words(src)
-  if None in words:
+  dst_words, src_words = _as_words(dst), _as_words(src)
+  if dst_words is None or src_words is None:  # not ``None in``: that compares tensors
     dst.copy_(src)
   else:
-    words[0].copy_(words[1])
+    dst_words.copy_(src_words)
 
 
 def _row_major_copy(x: torch.Tensor) -> torch.Tensor:
