@@ -572,6 +572,31 @@ def test_early_loads_lower(fmt):
   assert f"setp.ne.b32 p0, ${words + 2}, 0;" in text
 
 
+def test_early_rope_copies_need_early_loads_and_rope_columns():
+  """A gather issues its RoPE copies apart from the rest (``early_rope``: the transposed
+  kernel's producers issue them once the consumer has the slot's ``S^T``) only with early
+  loads of rows that have RoPE columns: ``kernel_inputs`` turns it on for fp8_ds_mla at
+  d_qk 576 and leaves it off at 512 or without early loads; ``gather_fn`` refuses it
+  otherwise. Runs without a GPU."""
+  from jax_mla.cache.formats import kv_cache_shape, kv_cache_storage_dtype
+  from jax_mla.sparse_mla import mosaic_gather
+
+  def early_rope(fmt, d_qk, early):
+    f = resolve(fmt)
+    cache = jnp.zeros(kv_cache_shape(8, 64, d_qk, fmt), kv_cache_storage_dtype(fmt))
+    gathers, *_ = mosaic_gather.kernel_inputs(
+        [(cache, jnp.zeros((4, 128), jnp.int32), None)], (f,), d_qk, early=early,
+        early_rope=True)
+    return gathers[0].early_rope
+
+  assert early_rope("fp8_ds_mla", 576, early=True)
+  assert not early_rope("fp8_ds_mla", 576, early=False)
+  assert not early_rope("fp8_model1", 512, early=True)
+  with pytest.raises(ValueError, match="early RoPE"):
+    mosaic_gather.gather_fn(fmt=resolve("fp8_ds_mla"), num_slots=512, block_size=64,
+                            row_bytes=656, d_qk=576, early_rope=True)
+
+
 @pytest.mark.parametrize(("fmt", "h_q", "pair"), [
     ("fp8_model1", 128, True), ("fp8_v41", 256, True), ("fp4_v41", 128, True),
     ("fp8_ds_mla", 128, False), ("fp8_model1", 64, False), (None, 128, False)])

@@ -90,7 +90,8 @@ def clean_indices(indices, lengths, num_slots):
 
 
 def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False,
-                  query_len: int | None = None, halves: bool = False):
+                  query_len: int | None = None, halves: bool = False,
+                  early_rope: bool = False):
   """What :func:`produce` reads, from key sets ``(cache[num_blocks, block_size, width],
   indices[T, topk], lengths[T] or None)`` (None: every entry counts) in formats
   ``fmts``: ``(gathers, lengths, indices (cleaned where ``topk`` is not a multiple of
@@ -100,7 +101,8 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False
   program has no XLA op before it. ``query_len``: the tokens are a decode's ``[b,
   query_len]`` queries and the lengths are per request, ``[b]`` (rows ``[n, b]``; the
   kernel reads request ``t // query_len``'s). ``pair``: see :func:`gather_fn`;
-  ``early``: its early loads for the quantized sets; ``halves`` (bf16 sets): each
+  ``early``: its early loads for the quantized sets, and with ``early_rope`` (``d_qk``
+  576) their RoPE copies apart (:func:`gather_fn`); ``halves`` (bf16 sets): each
   gather is a pair, the two halves of a stage (:func:`produce_halves`)."""
   gathers, all_indices, all_lengths, all_rows = [], [], [], []
   for (cache, indices, lengths), fmt in zip(sets, fmts, strict=True):
@@ -120,6 +122,8 @@ def kernel_inputs(sets, fmts, d_qk: int, pair: bool = False, early: bool = False
     make = functools.partial(gather_fn, fmt=fmt, num_slots=num_slots, block_size=block_size,
                              row_bytes=width * cache.dtype.itemsize, d_qk=d_qk, pair=pair,
                              masked=masked, early=early and dequantized(fmt),
+                             early_rope=early_rope and early and dequantized(fmt)
+                             and d_qk > D_MAIN,
                              length_row=None if lengths is None else len(all_lengths))
     gathers.append((make(half=0), make(half=1)) if halves else make())
     if lengths is not None:
@@ -208,7 +212,7 @@ def split_steps(first, splits: int, part=None):
 
 def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main, kv_rope,
             valid, barriers, first, base=None, request=None, producer: int = 0,
-            producers: int = 1, pair=None, ring_start=0, q_gate=None):
+            producers: int = 1, pair=None, ring_start=0, q_gate=None, rope_free=None):
   """A producer warpgroup's work for token ``t`` (call after ``set_max_registers``).
 
   With ``producers`` warpgroups, producer ``p`` gathers the steps ``i`` with
@@ -238,6 +242,10 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     request: the column of ``len_ref`` with the token's lengths (None: ``t``; a decode
       with lengths per request: ``t // query_len``).
     producer, producers: this producer's index and their number.
+    rope_free: None, or one barrier per stage on which the consumer arrives once it is
+      done with the slot's RoPE tile (its ``S^T``): each step waits for it after its
+      early loads, and a gather with ``early_rope`` then issues its RoPE copies, which
+      land while the consumer finishes the slot's last stage.
     pair: None, or the CTA is one of a 2-CTA cluster that shares each step (``gathers``
       made with ``pair=True``): the SMEM uint32 ``[stages, 4]`` of
       :func:`init_pair`, whose mbarriers count the bytes the peer stores into each
@@ -290,6 +298,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     words = (_words_layout(gather_fn_k.words),) if early else ()
     gather = plgpu.inline_mgpu(arg_types=words + arg_types + (plgpu.RefType(),) * (3 * masked))(
         gather_fn_k)
+    rope = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled_ref, plgpu.RefType())
+                             + (plgpu.RefType(),) * (3 * masked))(gather_fn_k.rope)
     load = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),) * (2 + 3 * masked),
         return_type=plgpu.ShapeDtypeStruct((128 * gather_fn_k.words,), jnp.int32,
@@ -303,8 +313,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     stage(idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)], staged(start))
 
     @pl.loop(start, first[k + 1], step=producers)
-    def _(i, k=k, gather=gather, load=load, idx_ref=idx_ref, kv_ref=kv_ref, offset=offset,
-          masked=masked):
+    def _(i, k=k, gather=gather, load=load, rope=rope, idx_ref=idx_ref, kv_ref=kv_ref,
+          offset=offset, masked=masked, early_rope=gather_fn_k.early_rope):
       slot = ring_slot(i)
 
       # This producer's previous step landed while the consumers worked: publish it
@@ -322,6 +332,14 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
                if masked else ())
       # Early loads: the rows are on their way while the slot's reader finishes.
       words = () if load is None else (load(kv_ref, staged(i), *where),)
+      if rope_free is not None:  # every step waits: the arrivals come every step
+
+        @pl.when(ring_start + i >= num_stages)
+        def _():
+          plgpu.barrier_wait(rope_free.at[slot])
+
+        if early_rope:
+          rope(kv_ref, kv_rope.at[slot], staged(i), *where)
 
       @pl.when(ring_start + i >= num_stages)
       def _():
@@ -522,7 +540,8 @@ def run_items(body, *, persistent: bool, tokens: int, blocks: int, ring=0, tail=
 
 def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes: int,
               d_qk: int, pair: bool = False, masked: bool = False, early: bool = False,
-              length_row: int | None = None, half: int | None = None):
+              length_row: int | None = None, half: int | None = None,
+              early_rope: bool = False):
   """Per-thread gather of 64 key rows into one swizzled bf16 stage (inline Mosaic GPU).
 
   ``fmt``: ``None`` or the ``"auto"`` format (rows of ``d_qk`` bf16, copied with
@@ -551,6 +570,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   producer issues them before it waits for the stage to be free; the gather then takes
   the words as its first argument and only dequantizes and stores.
 
+  ``early_rope`` (``early``, ``d_qk`` 576): the RoPE columns' copies are a function of
+  their own too, ``gather.rope(ctx, kv_ref, rope_ref, staged_ref, *masked_refs)``,
+  which the producer issues once the consumer is done with the slot's RoPE tile (its
+  ``S^T``), before the slot is free; the gather then leaves them out.
+
   ``half`` (bf16 rows, :func:`produce_halves`): only half ``half`` of the stage
   (:func:`jax_mla._mosaic.half_part`): 0, main columns 0-255 and the validity; 1, main
   columns 256-511 and the RoPE columns. The gather takes this thread's indices of the
@@ -571,6 +595,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     raise ValueError("early loads are for quantized rows without a CTA pair")
   if half is not None and dequantized(fmt):
     raise ValueError("half stages are for bf16 rows")
+  if early_rope and not (early and d_qk > D_MAIN):
+    raise ValueError("early RoPE copies are for early loads of rows with RoPE columns")
   stage_half = half  # (gather's code has a local ``half``)
   stages_next = half is None  # this call stages the next step's indices
   stores_valid = half in (None, 0)  # and the validity
@@ -668,6 +694,59 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       words += _inline.fields(out, i32, n)
     return _words_array(words)
 
+  def tile_at(buf, tiles_per_row, col_tile, chunk, r8, first_tile_row):
+    """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
+    in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
+    c32 = _inline.const
+    tile = arith.addi(arith.muli(first_tile_row, c32(tiles_per_row)), col_tile)
+    off = arith.addi(arith.muli(tile, c32(8 * 128)),
+                     arith.addi(arith.muli(r8, c32(128)),
+                                arith.muli(arith.xori(chunk, r8), c32(16))))
+    return _inline.at(buf, off)
+
+  def rope_copy(rope_base, lane, r8, first_tile_row):
+    """The RoPE columns' piece of :func:`gather`'s copies: (this thread's first
+    destination, source byte offset, bytes between its rows in the stage)."""
+    rope_at = fmt.rope_offset if isinstance(fmt, DsMla) else 2 * D_MAIN
+    return (tile_at(rope_base, 1, _inline.const(0), lane, r8, first_tile_row), rope_at,
+            (_ROW_GROUPS // 8) * 8 * 128)
+
+  def issue_copies(copies, rows, oks, lane, peer_bar=None):
+    """``cp.async`` of this thread's 16-byte pieces (``copies``: :func:`rope_copy`'s
+    triples) of its ``rows``; refused rows are zero-filled, nothing read. A pair's CTA
+    (``peer_bar``) stores through registers into both CTAs' stages instead."""
+    i32, i64, void, c32, at = (_inline.int_type(), _inline.int_type(64), _inline.void(),
+                               _inline.const, _inline.at)
+    lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
+    # bf16 rows are copied whole: the L2 fetches 256 bytes at once. A quantized row's
+    # RoPE piece is 128 bytes: a wider fetch reads the next row (H100, interleaved
+    # medians: fp8_ds_mla b128 h16 196.7 vs 203.8 us, fp8_model1 h16 152.2 vs 157.4 us
+    # without it; h128 451.4 vs 450.6 us).
+    hint = "" if dequantized(fmt) else ".L2::256B"
+    for d, src_at, stride in copies:
+      for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
+        piece = at(src, arith.addi(lane16, _inline.const(src_at, 64)))
+        if peer_bar is not None:  # through registers: cp.async cannot write the peer's SMEM
+          llvm.inline_asm(void, [at(d, c32(r * stride)), _peer(at(d, c32(r * stride))), piece,
+                                 arith.extui(i32, ok), peer_bar],
+                          _COPY_BOTH_ASM, "r,r,l,r,r", has_side_effects=True)
+          continue
+        nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
+        llvm.inline_asm(void, [at(d, c32(r * stride)), piece, nbytes],
+                        f"cp.async.cg.shared.global{hint} [$0], [$1], 16, $2;", "r,l,r",
+                        has_side_effects=True)
+
+  def rope(ctx, kv_ref, rope_ref, staged_ref, *masked_refs):
+    """``early_rope``: issues this thread's RoPE copies of the step's rows (whose
+    indices ``staged_ref`` holds) into the slot's RoPE tile ``rope_ref``."""
+    del ctx
+    _, lane, group, first_row = place()
+    _, oks, rows, _ = locate(kv_ref, staged_ref, first_row, masked_refs)
+    r8 = arith.andi(group, _inline.const(7))
+    first_tile_row = arith.shrui(first_row, _inline.const(3))
+    issue_copies([rope_copy(mgpu_utils.memref_ptr(rope_ref), lane, r8, first_tile_row)],
+                 rows, oks, lane)
+
   def gather(ctx, *args):
     """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
     set's prologue, :func:`stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
@@ -684,7 +763,6 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     half_bar = extra_refs[0] if stage_half is not None else None
     i32, i64, index, void = _inline.int_type(), _inline.int_type(64), _index(), _inline.void()
     c32, at = _inline.const, _inline.at
-    c64 = functools.partial(_inline.const, bits=64)
     tid, lane, group, first_row = place()
     main_base = mgpu_utils.memref_ptr(main_ref)
     rope_base = mgpu_utils.memref_ptr(rope_ref)
@@ -703,16 +781,9 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     first_tile_row = arith.shrui(first_row, c32(3))
 
     def dst(buf, tiles_per_row, col_tile, chunk):
-      """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
-      in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
-      tile = arith.addi(arith.muli(first_tile_row, c32(tiles_per_row)), col_tile)
-      off = arith.addi(arith.muli(tile, c32(8 * 128)),
-                       arith.addi(arith.muli(r8, c32(128)),
-                                  arith.muli(arith.xori(chunk, r8), c32(16))))
-      return at(buf, off)
+      return tile_at(buf, tiles_per_row, col_tile, chunk, r8, first_tile_row)
 
     row_stride = (_ROW_GROUPS // 8) * (HALF // TILE) * 8 * 128  # bytes between a thread's rows
-    rope_stride = (_ROW_GROUPS // 8) * 8 * 128
 
     def main_dst(col_tile: int, chunk):  # main_ref: [2 halves][8 row tiles][4 col tiles][8][64]
       half, col_tile = divmod(col_tile, HALF // TILE)
@@ -745,29 +816,11 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       halves = (range(tiles) if stage_half is None
                 else range(stage_half * tiles // 2, (stage_half + 1) * tiles // 2))
       copies += [(main_dst(tile, lane), tile * 128, row_stride) for tile in halves]
-    if d_qk > D_MAIN and stage_half != 0:
-      rope_at = fmt.rope_offset if isinstance(fmt, DsMla) else 2 * D_MAIN
-      copies.append((dst(rope_base, 1, c32(0), lane), rope_at, rope_stride))
+    if d_qk > D_MAIN and stage_half != 0 and not early_rope:
+      copies.append(rope_copy(rope_base, lane, r8, first_tile_row))
     if isinstance(fmt, Model1):  # the RoPE part is column tile 7 of the 512
       copies.append((main_dst(fmt.num_tiles, lane), fmt.nope, row_stride))
-    lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
-    # bf16 rows are copied whole: the L2 fetches 256 bytes at once. A quantized row's
-    # RoPE piece is 128 bytes: a wider fetch reads the next row (H100, interleaved
-    # medians: fp8_ds_mla b128 h16 196.7 vs 203.8 us, fp8_model1 h16 152.2 vs 157.4 us
-    # without it; h128 451.4 vs 450.6 us).
-    hint = "" if dequantized(fmt) else ".L2::256B"
-    for d, src_at, stride in copies:
-      for r, (src, ok) in enumerate(zip(rows, oks, strict=True)):
-        piece = at(src, arith.addi(lane16, c64(src_at)))
-        if pair:  # through registers: cp.async cannot write the peer's SMEM
-          llvm.inline_asm(void, [at(d, c32(r * stride)), _peer(at(d, c32(r * stride))), piece,
-                                 arith.extui(i32, ok), peer_bar],
-                          _COPY_BOTH_ASM, "r,r,l,r,r", has_side_effects=True)
-          continue
-        nbytes = arith.select(ok, c32(16), c32(0))  # 0: zero-fill, nothing read
-        llvm.inline_asm(void, [at(d, c32(r * stride)), piece, nbytes],
-                        f"cp.async.cg.shared.global{hint} [$0], [$1], 16, $2;", "r,l,r",
-                        has_side_effects=True)
+    issue_copies(copies, rows, oks, lane, peer_bar if pair else None)
 
     if isinstance(fmt, DsMla):
       # Thread `lane` holds bytes [lane*16, +16) of each 128-value scale tile k, i.e.
@@ -817,6 +870,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
 
   gather.masked = masked
   gather.early = early
+  gather.early_rope = early_rope
+  gather.rope = rope
   gather.length_row = length_row
   gather.load = load
   gather.words = rows_per_thread * len(row_asm(0).loaded) if early else 0

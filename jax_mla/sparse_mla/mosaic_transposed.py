@@ -30,6 +30,11 @@ columns' rescale factor to both. The column reductions cross the warps of a warp
 through one shared SMEM scratch, so the softmaxes of the two warpgroups are serialised:
 a warpgroup publishes its stage's max only after its sums.
 
+With one consumer and early loads (fp8_ds_mla, 16 heads a CTA), a slot's RoPE tile is
+refilled early: the consumer arrives on ``rope_free`` once the stage's ``S^T`` is done,
+and the producer then issues the next stage's RoPE copies, which land while the consumer
+finishes the slot (:func:`jax_mla.sparse_mla.mosaic_gather.produce`).
+
 ``P^T`` and the output ``O^T`` go to SMEM transposed (``[heads, 64]`` and ``[heads, 256]``
 tiles, the 128-byte-swizzled layout of the ring: wgmma needs both operands' swizzles
 equal), so the output leaves as ``O`` like the other kernel's. A decode's LSE leaves in
@@ -70,7 +75,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
 
 
 def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits, query_len, direct_lse, persistent, tail):
+            scale, tokens, splits, query_len, direct_lse, persistent, tail, early_rope):
   """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
   their caches, then the outputs (``O``
@@ -83,13 +88,16 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   the next (:func:`.mosaic_gather.run_items`); ``tail`` ``(r, parts)``: its last ``r``
   items are taken in ``parts`` shares, whose results (no sink applied) go to three more
   outputs, share ``j`` of tail item ``i`` at row ``j * r + i``: ``O`` ``[parts * r *
-  heads, 512]``, max logits and LSE ``[parts * r, max(heads, 32)]``."""
+  heads, 512]``, max logits and LSE ``[parts * r, max(heads, 32)]``. ``early_rope``: the
+  gathers issue their RoPE copies once the consumer has the slot's ``S^T``
+  (:func:`.mosaic_gather.produce`'s ``rope_free``; one consumer)."""
   num_sets = len(gathers)
   idx_refs, kv_refs = refs[:num_sets], refs[num_sets:2 * num_sets]
   o_ref, ml_ref, lse_ref, *tail_refs, smem, barriers = refs[2 * num_sets:]
   q_main, q_rope, kv_main, kv_rope, valid, p_t, stats, p_stats = smem
-  q_bar, kv_bar, free_bar, done_bar, p_ready, *q_free = barriers
-  q_free = q_free[0] if persistent else None  # a query buffer is free again
+  q_bar, kv_bar, free_bar, done_bar, p_ready, *more = barriers
+  q_free = more.pop(0) if persistent else None  # a query buffer is free again
+  rope_free = more.pop(0) if early_rope else None  # a slot's RoPE tile is read (S^T done)
   wg = lax.axis_index("wg")
   blocks = h_pad // heads
   part = 0 if splits == 1 else lax.axis_index("s")
@@ -182,7 +190,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
         accs, m, l = _consume_alone(
             plgpu, q_main=q, q_rope=rope, k_main=kv_main, k_rope=kv_rope, p_t=p_t,
             steps=first[-1], barriers=(q_bar.at[b], kv_bar, free_bar), mask=key_mask,
-            scale=scale, ring_start=ring_start)
+            scale=scale, ring_start=ring_start, rope_free=rope_free)
         finish(t, h, q, list(enumerate(accs)), m, l, share)
       else:
         acc, m, l = _mosaic.consume_stages(
@@ -221,14 +229,14 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
                 len_ref=len_ref, kv_refs=kv_refs, kv_main=kv_main, kv_rope=kv_rope,
                 valid=valid, barriers=(q_bar.at[b], kv_bar, free_bar), first=first, base=base,
                 request=request, producer=p, producers=config.producers,
-                ring_start=ring_start)
+                ring_start=ring_start, rope_free=rope_free)
         return ring_start + first[-1]
 
       for_each_item(gather)
 
 
 def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barriers, mask,
-                   scale, ring_start=0):
+                   scale, ring_start=0, rope_free=None):
   """The attention loop of a kernel's only consumer warpgroup (``Config(consumers=1)``):
   every stage's ``S^T = K Q^T``, mask, online softmax down the columns (base 2) and ``O^T
   += V^T P^T`` over all 512 rows, as two ``[256, heads]`` float32 accumulators. Nothing
@@ -238,8 +246,9 @@ def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barrier
   once at the end: a column reduction crosses the warps through SMEM (two barriers). The
   softmax is 320 cycles a step shorter (H100, fp8_ds_mla b128 h16; per call 188.6 ->
   186.0 us, fp8_model1 h16 145.7 -> 138.7 us, prefill h16 494 -> 468 us;
-  benchmarks/RESULTS.md, session 23). Returns ``(accs, m, l)`` as
-  :func:`jax_mla._mosaic.consume_stages`."""
+  benchmarks/RESULTS.md, session 23). ``rope_free`` (None, or one barrier per slot): it
+  arrives once a stage's ``S^T`` is done, so the producer may refill the RoPE tile
+  early. Returns ``(accs, m, l)`` as :func:`jax_mla._mosaic.consume_stages`."""
   q_bar, kv_bar, free_bar = barriers
   num_stages, _, keys, half = k_main.shape
   rows = q_main.shape[1]
@@ -262,7 +271,10 @@ def _consume_alone(plgpu, *, q_main, q_rope, k_main, k_rope, p_t, steps, barrier
         plgpu.wgmma(s_ref, k_rope.at[slot], q_rope.transpose((1, 0)))
       return s_ref[...]
 
-    s = apply_mask(pl.run_scoped(qk, plgpu.ACC((keys, rows), jnp.float32)))
+    s = pl.run_scoped(qk, plgpu.ACC((keys, rows), jnp.float32))
+    if rope_free is not None:  # the products have read the RoPE tile
+      plgpu.barrier_arrive(rope_free.at[slot])
+    s = apply_mask(s)
     m_new = jnp.maximum(m, s.max(axis=0) * scale)
     m_use = _softmax.safe_max(m_new)
     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [1]))
@@ -301,8 +313,13 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # for its slot: fp8_ds_mla b128 h16 220 -> 208 us, fp8_model1 h16 187 -> 175 us (H100,
   # benchmarks/RESULTS.md, session 22). One producer (32 heads) gained nothing.
   early = config.producers > 1 and config.producer_registers >= EARLY_MIN_REGISTERS
-  gathers, lengths, all_indices, all_rows = kernel_inputs(sets, fmts, d_qk, early=early,
-                                                          query_len=query_len)
+  # With one consumer, a producer issues a step's RoPE copies as soon as the consumer
+  # has the slot's last S^T, not after the slot is free: fp8_ds_mla b128 h16 GPU time
+  # 153.5-154.4 -> 151.3-152.9 us (H100, same process, two runs, bit-equal;
+  # benchmarks/RESULTS.md, session 41).
+  early_rope = early and config.consumers == 1 and d_qk > D_MAIN
+  gathers, lengths, all_indices, all_rows = kernel_inputs(
+      sets, fmts, d_qk, early=early, query_len=query_len, early_rope=early_rope)
   sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
   if h_pad > h_q:  # zero queries with -inf sinks in the padding heads, dropped after
     sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
@@ -345,14 +362,17 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
       plgpu.Barrier(num_arrivals=2),  # both consumers done with the query (two only)
       shared_barrier,
   ) + ((plgpu.Barrier(num_arrivals=1, num_barriers=q_buffers),)  # a query buffer is free
-         if persistent else ())
+         if persistent else ()) + (
+      (plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),)  # a RoPE tile is read
+      if early_rope else ())
   items = tokens * blocks
   ctas = min(items, num_sms())
   tail = prefill_tail(items, ctas, all_indices, persistent=persistent, query_len=query_len)
   kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
                              tokens=tokens, splits=num_splits, query_len=query_len,
-                             direct_lse=direct_lse, persistent=persistent, tail=tail)
+                             direct_lse=direct_lse, persistent=persistent, tail=tail,
+                             early_rope=early_rope)
 
   def entry(*refs):
     pl.run_scoped(lambda smem_refs, bar_refs: kernel(*restore(refs), smem_refs, bar_refs),
