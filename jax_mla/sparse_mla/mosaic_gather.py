@@ -610,7 +610,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     row, its row group and its first row (a pair's CTA ``r`` takes rows ``32 r + ...``)."""
     c32 = _inline.const
     tid = _inline.warpgroup_thread()
-    group = arith.shrui(tid, c32(3))
+    group = _thread_group(tid)
     return tid, arith.andi(tid, c32(THREADS_PER_ROW - 1)), group, _first_row(group, pair)
 
   def locate(kv_ref, staged_ref, first_row, masked_refs, idxs=None):
@@ -920,13 +920,18 @@ def stage_fn(ctx, idx_ref, staged_ref, *, pair: bool = False):
   del ctx
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, memref
-  from jax.experimental.mosaic import gpu as mgpu
 
   index = ir.IndexType.get()
-  group = arith.shrui(_inline.warpgroup_thread(), mgpu.c(3, ir.IntegerType.get_signless(32)))
-  for row in _thread_rows(_first_row(group, pair), pair):
+  for row in _thread_rows(_first_row(_thread_group(_inline.warpgroup_thread()), pair), pair):
     row = arith.index_cast(index, row)
     memref.store(memref.load(idx_ref, [row]), staged_ref, [row])
+
+
+def _thread_group(tid):
+  """The 8-thread group (0-15) of warpgroup thread ``tid``: ``THREADS_PER_ROW`` threads
+  share a row (i32, inside an inline body)."""
+  from jax._src.lib.mlir.dialects import arith
+  return arith.shrui(tid, _inline.const(THREADS_PER_ROW.bit_length() - 1))
 
 
 def _first_row(group, pair: bool):
