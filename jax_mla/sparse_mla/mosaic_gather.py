@@ -299,7 +299,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     gather = plgpu.inline_mgpu(arg_types=words + arg_types + (plgpu.RefType(),) * (3 * masked))(
         gather_fn_k)
     rope = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled_ref, plgpu.RefType())
-                             + (plgpu.RefType(),) * (3 * masked))(gather_fn_k.rope)
+                             + (plgpu.RefType(),) * (3 * masked))(
+        gather_fn_k.rope) if gather_fn_k.early_rope else None
     load = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),) * (2 + 3 * masked),
         return_type=plgpu.ShapeDtypeStruct((128 * gather_fn_k.words,), jnp.int32,
@@ -314,7 +315,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
 
     @pl.loop(start, first[k + 1], step=producers)
     def _(i, k=k, gather=gather, load=load, rope=rope, idx_ref=idx_ref, kv_ref=kv_ref,
-          offset=offset, masked=masked, early_rope=gather_fn_k.early_rope):
+          offset=offset, masked=masked):
       slot = ring_slot(i)
 
       # This producer's previous step landed while the consumers worked: publish it
@@ -338,7 +339,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
         def _():
           plgpu.barrier_wait(rope_free.at[slot])
 
-        if early_rope:
+        if rope is not None:
           rope(kv_ref, kv_rope.at[slot], staged(i), *where)
 
       @pl.when(ring_start + i >= num_stages)
@@ -694,6 +695,12 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
       words += _inline.fields(out, i32, n)
     return _words_array(words)
 
+  def tile_origin(group, first_row):
+    """``(r8, first_tile_row)`` for :func:`tile_at`. A thread's rows differ by 16 = two
+    8-row tiles, so they share the swizzle (row % 8 == group % 8) and sit a fixed stride
+    apart in the stage. A pair's CTA r takes rows 32 r + (group, group + 16)."""
+    return (arith.andi(group, _inline.const(7)), arith.shrui(first_row, _inline.const(3)))
+
   def tile_at(buf, tiles_per_row, col_tile, chunk, r8, first_tile_row):
     """Byte address of 16-byte ``chunk`` (0..7, unswizzled) of column tile ``col_tile``
     in this thread's first row; a tile is 8 rows x 128 bytes, swizzled by row % 8."""
@@ -712,9 +719,10 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
             (_ROW_GROUPS // 8) * 8 * 128)
 
   def issue_copies(copies, rows, oks, lane, peer_bar=None):
-    """``cp.async`` of this thread's 16-byte pieces (``copies``: :func:`rope_copy`'s
-    triples) of its ``rows``; refused rows are zero-filled, nothing read. A pair's CTA
-    (``peer_bar``) stores through registers into both CTAs' stages instead."""
+    """``cp.async`` of this thread's 16-byte pieces of its ``rows``, ``copies`` as
+    (first destination, source byte offset, destination stride between its rows)
+    triples (:func:`rope_copy`); refused rows are zero-filled, nothing read. A pair's
+    CTA (``peer_bar``) stores through registers into both CTAs' stages instead."""
     i32, i64, void, c32, at = (_inline.int_type(), _inline.int_type(64), _inline.void(),
                                _inline.const, _inline.at)
     lane16 = arith.extui(i64, arith.muli(lane, c32(16)))
@@ -742,10 +750,8 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     del ctx
     _, lane, group, first_row = place()
     _, oks, rows, _ = locate(kv_ref, staged_ref, first_row, masked_refs)
-    r8 = arith.andi(group, _inline.const(7))
-    first_tile_row = arith.shrui(first_row, _inline.const(3))
-    issue_copies([rope_copy(mgpu_utils.memref_ptr(rope_ref), lane, r8, first_tile_row)],
-                 rows, oks, lane)
+    origin = tile_origin(group, first_row)
+    issue_copies([rope_copy(mgpu_utils.memref_ptr(rope_ref), lane, *origin)], rows, oks, lane)
 
   def gather(ctx, *args):
     """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
@@ -774,11 +780,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                       "r,r", has_side_effects=True)
       peer_bar = _peer(bar)
 
-    # A thread's rows differ by 16 = two 8-row tiles, so they share the swizzle
-    # (row % 8 == group % 8) and sit a fixed stride apart in the stage. A pair's CTA r
-    # takes rows 32 r + (group, group + 16).
-    r8 = arith.andi(group, c32(7))
-    first_tile_row = arith.shrui(first_row, c32(3))
+    r8, first_tile_row = tile_origin(group, first_row)
 
     def dst(buf, tiles_per_row, col_tile, chunk):
       return tile_at(buf, tiles_per_row, col_tile, chunk, r8, first_tile_row)
