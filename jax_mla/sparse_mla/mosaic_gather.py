@@ -301,6 +301,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     rope = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled_ref, plgpu.RefType())
                              + (plgpu.RefType(),) * (3 * masked))(
         gather_fn_k.rope) if gather_fn_k.early_rope else None
+    stage_next = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
+        gather_fn_k.stage_next) if early else None
     load = plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),) * (2 + 3 * masked),
         return_type=plgpu.ShapeDtypeStruct((128 * gather_fn_k.words,), jnp.int32,
@@ -314,8 +316,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
     stage(idx_ref.at[t, pl.ds(block * BLOCK_K, BLOCK_K)], staged(start))
 
     @pl.loop(start, first[k + 1], step=producers)
-    def _(i, k=k, gather=gather, load=load, rope=rope, idx_ref=idx_ref, kv_ref=kv_ref,
-          offset=offset, masked=masked):
+    def _(i, k=k, gather=gather, load=load, rope=rope, stage_next=stage_next, idx_ref=idx_ref,
+          kv_ref=kv_ref, offset=offset, masked=masked):
       slot = ring_slot(i)
 
       # This producer's previous step landed while the consumers worked: publish it
@@ -331,8 +333,16 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
                 idx_ref.at[t, pl.ds(0, BLOCK_K)],
                 len_ref.at[gathers[k].length_row, pl.ds(request, 1)])
                if masked else ())
-      # Early loads: the rows are on their way while the slot's reader finishes.
+      # The set's last step has no next: it restages its own indices (same values).
+      has_next = (i + producers < first[k + 1]).astype(jnp.int32)
+      nxt = i + offset + producers * has_next
+      next_indices = (idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)],
+                      staged(i + producers * has_next))
+      # Early loads: the rows are on their way while the slot's reader finishes; so are
+      # the next step's indices.
       words = () if load is None else (load(kv_ref, staged(i), *where),)
+      if stage_next is not None:
+        stage_next(*next_indices)
       if rope_free is not None:  # every step waits: the arrivals come every step
 
         @pl.when(ring_start + i >= num_stages)
@@ -346,11 +356,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       def _():
         plgpu.barrier_wait(free_bar.at[slot])
 
-      # The set's last step has no next: it restages its own indices (same values).
-      has_next = (i + producers < first[k + 1]).astype(jnp.int32)
-      nxt = i + offset + producers * has_next
-      gather(*words, idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], kv_ref, kv_main.at[slot],
-             kv_rope.at[slot], valid.at[slot], staged(i), staged(i + producers * has_next),
+      gather(*words, next_indices[0], kv_ref, kv_main.at[slot],
+             kv_rope.at[slot], valid.at[slot], staged(i), next_indices[1],
              *(() if pair is None else (pair.at[slot],)), *where)
       if late_query:
         pl.when(i == mine)(copy_query)
@@ -599,7 +606,9 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   if early_rope and not (early and d_qk > D_MAIN):
     raise ValueError("early RoPE copies are for early loads of rows with RoPE columns")
   stage_half = half  # (gather's code has a local ``half``)
-  stages_next = half is None  # this call stages the next step's indices
+  # This call stages the next step's indices (with early loads the producer does, as
+  # soon as this step's loads are out: the copy is not on the refill's path).
+  stages_next = half is None and not early
   stores_valid = half in (None, 0)  # and the validity
   row_asm = functools.partial(_dequant_asm, fmt) if dequantized(fmt) else None
 
@@ -753,6 +762,23 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
     origin = tile_origin(group, first_row)
     issue_copies([rope_copy(mgpu_utils.memref_ptr(rope_ref), lane, *origin)], rows, oks, lane)
 
+  def stage_copies(idx_ref, staged_ref, thread_rows):
+    """``cp.async`` of this thread's rows' indices of a step (``idx_ref``, its 64 in
+    GMEM) into ``staged_ref``, waited for with the step's copies."""
+    i64, c32, at = _inline.int_type(64), _inline.const, _inline.at
+    src, dst = _inline.global_ptr(idx_ref), mgpu_utils.memref_ptr(staged_ref)
+    for row in thread_rows:
+      off = arith.muli(row, c32(4))
+      llvm.inline_asm(_inline.void(), [at(dst, off), at(src, arith.extui(i64, off))],
+                      "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
+
+  def stage_next(ctx, idx_ref, staged_ref):
+    """``early``: the next step's indices (:func:`stage_copies`), issued by the producer
+    after this step's loads; the gather then leaves them out."""
+    del ctx
+    _, _, _, first_row = place()
+    stage_copies(idx_ref, staged_ref, _thread_rows(first_row, pair))
+
   def gather(ctx, *args):
     """``staged_ref``: this step's indices, staged in SMEM by the previous step (or the
     set's prologue, :func:`stage_fn`); ``next_idx_ref`` / ``next_staged_ref``: the next
@@ -767,7 +793,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
      *extra_refs) = args
     pair_ref = extra_refs[0] if pair else None
     half_bar = extra_refs[0] if stage_half is not None else None
-    i32, i64, index, void = _inline.int_type(), _inline.int_type(64), _index(), _inline.void()
+    i32, index, void = _inline.int_type(), _index(), _inline.void()
     c32, at = _inline.const, _inline.at
     tid, lane, group, first_row = place()
     main_base = mgpu_utils.memref_ptr(main_ref)
@@ -795,12 +821,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
                                             extra_refs[-3:] if masked else (),
                                             words if stage_half is not None else None)
     if stages_next:
-      next_src = _inline.global_ptr(next_idx_ref)
-      next_dst = mgpu_utils.memref_ptr(next_staged_ref)
-      for row in thread_rows:
-        off = arith.muli(row, c32(4))
-        llvm.inline_asm(void, [at(next_dst, off), at(next_src, arith.extui(i64, off))],
-                        "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True)
+      stage_copies(next_idx_ref, next_staged_ref, thread_rows)
     for row, ok in zip(thread_rows, oks, strict=True) if stores_valid else ():
       memref.store(arith.extui(i32, ok), valid_ref, [arith.index_cast(index, row)])
       if pair:  # lane 0's copy alone is counted
@@ -874,6 +895,7 @@ def gather_fn(*, fmt: Format | None, num_slots: int, block_size: int, row_bytes:
   gather.early = early
   gather.early_rope = early_rope
   gather.rope = rope
+  gather.stage_next = stage_next
   gather.length_row = length_row
   gather.load = load
   gather.words = rows_per_thread * len(row_asm(0).loaded) if early else 0
