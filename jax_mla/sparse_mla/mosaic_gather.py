@@ -333,16 +333,21 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
                 idx_ref.at[t, pl.ds(0, BLOCK_K)],
                 len_ref.at[gathers[k].length_row, pl.ds(request, 1)])
                if masked else ())
-      # The set's last step has no next: it restages its own indices (same values).
-      has_next = (i + producers < first[k + 1]).astype(jnp.int32)
-      nxt = i + offset + producers * has_next
-      next_indices = (idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)],
-                      staged(i + producers * has_next))
+      def next_indices():
+        """The next step's indices in GMEM and the step whose row stages them: the set's
+        last step has no next, and restages its own indices (same values)."""
+        has_next = (i + producers < first[k + 1]).astype(jnp.int32)
+        nxt = i + offset + producers * has_next
+        return idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], has_next
+
+      if stage_next is not None:
+        next_idx_ref, has_next = next_indices()
+        next_staged_ref = staged(i + producers * has_next)
       # Early loads: the rows are on their way while the slot's reader finishes; so are
       # the next step's indices.
       words = () if load is None else (load(kv_ref, staged(i), *where),)
       if stage_next is not None:
-        stage_next(*next_indices)
+        stage_next(next_idx_ref, next_staged_ref)
       if rope_free is not None:  # every step waits: the arrivals come every step
 
         @pl.when(ring_start + i >= num_stages)
@@ -356,8 +361,11 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
       def _():
         plgpu.barrier_wait(free_bar.at[slot])
 
-      gather(*words, next_indices[0], kv_ref, kv_main.at[slot],
-             kv_rope.at[slot], valid.at[slot], staged(i), next_indices[1],
+      if stage_next is None:
+        next_idx_ref, has_next = next_indices()
+      gather(*words, next_idx_ref, kv_ref, kv_main.at[slot], kv_rope.at[slot], valid.at[slot],
+             staged(i), next_staged_ref if stage_next is not None
+             else staged(i + producers * has_next),
              *(() if pair is None else (pair.at[slot],)), *where)
       if late_query:
         pl.when(i == mine)(copy_query)
