@@ -333,6 +333,7 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
                 idx_ref.at[t, pl.ds(0, BLOCK_K)],
                 len_ref.at[gathers[k].length_row, pl.ds(request, 1)])
                if masked else ())
+
       def next_indices():
         """The next step's indices in GMEM and the step whose row stages them: the set's
         last step has no next, and restages its own indices (same values)."""
@@ -340,6 +341,8 @@ def produce(plgpu, *, t, q_copies, gathers, idx_refs, kv_refs, len_ref, kv_main,
         nxt = i + offset + producers * has_next
         return idx_ref.at[t, pl.ds(nxt * BLOCK_K, BLOCK_K)], has_next
 
+      # With early loads the producer stages the next step's indices itself, right after
+      # the step's loads, so the publish does not wait on them; else the gather does.
       if stage_next is not None:
         next_idx_ref, has_next = next_indices()
         next_staged_ref = staged(i + producers * has_next)
