@@ -314,12 +314,12 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # benchmarks/RESULTS.md, session 22). One producer (32 heads) gained nothing.
   early = config.producers > 1 and config.producer_registers >= EARLY_MIN_REGISTERS
   # With one consumer, a producer issues a step's RoPE copies as soon as the consumer
-  # has the slot's last S^T, not after the slot is free: fp8_ds_mla b128 h16 GPU time
-  # 153.5-154.4 -> 151.3-152.9 us (H100, same process, two runs, bit-equal;
-  # benchmarks/RESULTS.md, session 41).
-  early_rope = early and config.consumers == 1 and d_qk > D_MAIN
+  # has the slot's last S^T, not after the slot is free (where kernel_inputs' gathers
+  # take them): fp8_ds_mla b128 h16 GPU time 153.5-154.4 -> 151.3-152.9 us (H100, same
+  # process, two runs, bit-equal; benchmarks/RESULTS.md, session 41).
   gathers, lengths, all_indices, all_rows = kernel_inputs(
-      sets, fmts, d_qk, early=early, query_len=query_len, early_rope=early_rope)
+      sets, fmts, d_qk, early=early, query_len=query_len, early_rope=config.consumers == 1)
+  early_rope = any(g.early_rope for g in gathers)
   sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
   if h_pad > h_q:  # zero queries with -inf sinks in the padding heads, dropped after
     sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
