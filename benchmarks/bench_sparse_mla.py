@@ -93,7 +93,8 @@ V41_ROWS = {
 TP_ROWS = {
     "decode_ds_b128_h16": Decode("fp8_ds_mla", 128, 2, 16, 2048, 64, None, None, 32768, None),
     "decode_ds_b128_h32": Decode("fp8_ds_mla", 128, 2, 32, 2048, 64, None, None, 32768, None),
-    # 48 heads: padded to the head-block kernel's 64 (two transposed CTAs: 1.85x slower).
+    # 48 heads: one 64-head block of the head-block kernel, read and written unpadded
+    # (two transposed CTAs: 1.85x slower).
     "decode_ds_b128_h48": Decode("fp8_ds_mla", 128, 2, 48, 2048, 64, None, None, 32768, None),
     "decode_m1_h16": Decode("fp8_model1", 256, 2, 16, 128, 256, 512, 64, 8192, None),
     "prefill_v32_h16": Prefill(4096, 16, 2048, 576, 32768, True, None),

@@ -3,8 +3,9 @@
 Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
 (``@pytest.mark.gpu``); the input checks run anywhere. Head counts up to 32 that are
 not 64 (8, 16, 20, 24, 32) run the transposed kernel (mosaic_transposed.py), padded to
-a multiple of 16; the others the head-block kernel (mosaic.py), padded to a multiple
-of 64 (48, 100).
+a multiple of 16; the others the head-block kernel (mosaic.py): a last head block of
+fewer than 64 heads as they are (48, 80; ``mosaic.ragged_heads``), or padded to 64
+(100, a block of 36).
 """
 
 import dataclasses
@@ -65,7 +66,7 @@ S_Q, S_KV = 8, 512
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d_qk", [576, 512])
-@pytest.mark.parametrize("h_q", [64, 128, 8, 16, 48, 100])
+@pytest.mark.parametrize("h_q", [64, 128, 8, 16, 48, 80, 100])
 def test_random_with_invalid_indices(d_qk, h_q):
   rng = np.random.default_rng(d_qk + h_q)
   _check(*_case(rng, S_Q, h_q, d_qk, S_KV, 256))
@@ -102,7 +103,7 @@ def test_all_invalid_rows(h_q):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d_qk", [576, 512])
-@pytest.mark.parametrize("h_q", [128, 24])
+@pytest.mark.parametrize("h_q", [128, 48, 24])
 def test_sinks(d_qk, h_q):
   rng = np.random.default_rng(5)
   q, kv, idx = _case(rng, S_Q, h_q, d_qk, S_KV, 190)
@@ -195,7 +196,7 @@ DECODE_CASES = [
     ("fp8_model1", 4, 2, 64, 19, 30, 2, False, True, (150, 3, 64)),
     ("fp8_model1", 2, 1, 128, 64, 2, 64, True, False, (65, 2, 128)),
     # The transposed kernel: TP head counts, and one that pads (20 -> 32); 48 heads
-    # pad to the head-block kernel's 64.
+    # run the head-block kernel's 64-head block unpadded.
     ("fp8_ds_mla", 3, 2, 16, 200, 11, 64, True, True, None),
     ("fp8_ds_mla", 2, 2, 8, 130, 10, 61, False, False, None),
     ("fp8_model1", 3, 2, 16, 130, 3, 256, True, True, (200, 12, 64)),
@@ -269,6 +270,9 @@ MANY_TOKEN_CASES = [
     ("fp8_model1", 150, 2, 8, 130, 3, 256, False, True, (200, 12, 64)),
     ("fp8_ds_mla", 150, 2, 64, 130, 40, 64, True, True, None),
     ("auto", 70, 2, 128, 100, 5, 61, True, True, (70, 40, 2)),
+    # Unpadded last head blocks: one of 48 heads a token; 64 + 16 heads a token.
+    ("fp8_ds_mla", 150, 2, 48, 130, 40, 64, True, True, None),
+    ("fp8_model1", 70, 2, 80, 130, 3, 256, True, True, (200, 12, 64)),
 ]
 
 
@@ -463,10 +467,10 @@ def test_default_num_splits_fills_the_sms():
   assert _mosaic.default_num_splits(4, 3, min_blocks=1) > 1
 
 
-@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512), (48, 576)])
+@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (16, 512), (48, 576), (80, 512)])
 def test_prefill_kernels_lower(h_q, d_qk):
-  """The prefill kernels (head-block, transposed, head-block padded from 48 heads) lower
-  for CUDA; runs without a GPU."""
+  """The prefill kernels (head-block, transposed, head-block with an unpadded last head
+  block of 48 or 16 heads) lower for CUDA; runs without a GPU."""
   s_q = 3
   s = jax.ShapeDtypeStruct
   config = mosaic.default_config(None, h_q)
@@ -475,6 +479,39 @@ def test_prefill_kernels_lower(h_q, d_qk):
                                                      config=config),
       s((s_q, h_q, d_qk), jnp.bfloat16), s((100, d_qk), jnp.bfloat16),
       s((s_q, 64), jnp.int32), s((s_q,), jnp.int32))
+
+
+def test_ragged_heads_read_as_they_are():
+  """Which head counts the head-block kernel takes unpadded (:func:`mosaic.ragged_heads`),
+  and that those lower with no copy of the query or the output around the kernel (only
+  the sinks are padded, to a whole block); runs without a GPU."""
+  idx = [jnp.zeros((8, 1024), jnp.int32)]
+  assert mosaic.ragged_heads(48, 8, idx, num_splits=1, query_len=2)
+  assert mosaic.ragged_heads(80, 8, idx, num_splits=3, query_len=2)
+  assert mosaic.ragged_heads(48, 8, idx, num_splits=1, query_len=None)  # no tail: 8 items
+  assert not mosaic.ragged_heads(100, 8, idx, num_splits=1, query_len=2)  # a block of 36
+  assert not mosaic.ragged_heads(56, 1, idx, num_splits=1, query_len=1)  # under one box
+  tokens = _mosaic.num_sms() + 5  # a persistent prefill's tail shares: 64-row blocks
+  tail_idx = [jnp.zeros((tokens, 1024), jnp.int32)]
+  assert not mosaic.ragged_heads(48, tokens, tail_idx, num_splits=1, query_len=None)
+  assert mosaic.ragged_heads(48, tokens, tail_idx, num_splits=1, query_len=2)  # a decode
+
+  s = jax.ShapeDtypeStruct
+  fmt = resolve("fp8_ds_mla")
+
+  def ops(h_q, tokens, sink):
+    text = lowers_for_cuda(
+        lambda q, cache, idx, sink: mosaic.sparse_decode(
+            q, [(cache, idx, None)], sink if sink.shape else None, fmts=(fmt,),
+            sm_scale=0.1, query_len=tokens // 2,
+            config=dataclasses.replace(mosaic.default_config(fmt, h_q), num_splits=1)),
+        s((tokens, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8),
+        s((tokens, 256), jnp.int32), s((h_q,) if sink else (), jnp.float32)).as_text()
+    return {op: len(re.findall(f"stablehlo.{op}\\b", text)) for op in ("pad", "slice")}
+
+  assert ops(48, 4, sink=False) == {"pad": 0, "slice": 0}
+  assert ops(48, 4, sink=True) == {"pad": 1, "slice": 0}  # the sinks' (one split)
+  assert ops(100, 4, sink=False)["pad"] == 1  # the query's
 
 
 def test_rejects_interpret():

@@ -30,9 +30,11 @@ stages in turns:
 - decode with few tokens (either kernel): each token's key steps are split over
   ``Config.num_splits`` CTAs and the parts combined by :mod:`jax_mla.merge_mosaic`
   (H200, fp8_ds_mla h128 topk 2048, b 4: 16 splits 44-47 us, one 124-129 us).
-- any other ``h_q``: padded with zero queries (``-inf`` sinks) to a multiple of 64 for
-  the head-block kernel. Each CTA gathers all of its token's rows, so fewer CTAs gather
-  less (H100, fp8_ds_mla b128 s_q 2 topk 2048: h 48 in two transposed 32-head CTAs
+- any other ``h_q``: the head-block kernel, whose last head block of fewer than 64
+  heads is read and written as it is where :func:`ragged_heads` allows (48 or 80 heads:
+  no copy of the query or the output around the kernel), else padded with zero queries
+  (``-inf`` sinks) to a multiple of 64. Each CTA gathers all of its token's rows, so
+  fewer CTAs gather less (H100, fp8_ds_mla b128 s_q 2 topk 2048: h 48 in two transposed 32-head CTAs
   472.7 us, padded to one 64-head CTA 255.6 us; h 32 transposed 252.7 us).
 
 Shapes: any ``h_q``; everything else the public functions take: prefill ``d_qk`` 576
@@ -152,9 +154,27 @@ class Config:
 
 
 def transposed(h_q: int) -> bool:
-  """Whether ``h_q`` heads run on the transposed kernel (else on the head-block one,
-  padded to a multiple of 64)."""
+  """Whether ``h_q`` heads run on the transposed kernel (else on the head-block one:
+  :func:`ragged_heads`)."""
   return h_q % BLOCK_H != 0 and h_q <= _mosaic.TRANSPOSED_MAX_ROWS
+
+
+def ragged_heads(h_q: int, tokens: int, indices, *, num_splits: int,
+                 query_len: int | None) -> bool:
+  """Whether ``h_q`` heads (not a multiple of 64, above the transposed kernel's) run on
+  the head-block kernel as they are, not padded to a multiple of 64 by copies of the
+  query and the output. The last head block's query copy (a TMA box of 64 rows) then
+  reads the next token's first heads, or zeros past the array's end, into rows whose
+  results are never written; the block writes its own heads' rows alone, a whole
+  number of 8-row tiles. It needs the query array to hold one box, and no tail shares
+  (:func:`.mosaic_gather.prefill_tail`, whose results are kept in 64-row blocks) in a
+  persistent prefill. ``indices``: the key sets' ``[T, topk]``."""
+  blocks = cdiv(h_q, BLOCK_H)
+  if h_q % 8 or tokens * h_q < BLOCK_H:
+    return False
+  tail = prefill_tail(tokens * blocks, min(tokens * blocks, num_sms()), indices,
+                      persistent=num_splits == 1, query_len=query_len)
+  return tail[0] == 0
 
 
 def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:
@@ -263,7 +283,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
     valid[3, 0] = jnp.int32(0)  # consume_pairs' zero_ref: an offset LLVM cannot fold
     _mosaic.init_mbarriers(plgpu, valid.at[2], count=4, arrivals=128)  # the producer's threads
   wg = lax.axis_index("wg")
-  blocks = h_q // BLOCK_H
+  blocks = cdiv(h_q, BLOCK_H)
+  last_heads = h_q - (blocks - 1) * BLOCK_H  # the last head block's (below 64: see attend)
   has_rope = d_qk > D_MAIN
   if pair:
     init_pair(plgpu, pair_bars[0])
@@ -351,30 +372,40 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
 
         plgpu.commit_smem()
 
-        def copy_out(o_dst, ml_dst, lse_dst, rows, direct):
-          plgpu.copy_smem_to_gmem(staging, o_dst.at[rows, pl.ds(wg * HALF, HALF)])
+        def copy_out(o_dst, ml_dst, lse_dst, r0, count, direct):
+          rows = pl.ds(r0, count)
+          used = lambda ref: ref if count == BLOCK_H else ref.at[pl.ds(0, count)]  # noqa: E731
+          plgpu.copy_smem_to_gmem(used(staging), o_dst.at[rows, pl.ds(wg * HALF, HALF)])
 
           @pl.when(wg == 0)
           def _():
-            plgpu.copy_smem_to_gmem(stats.at[0], ml_dst.at[rows])
+            plgpu.copy_smem_to_gmem(used(stats.at[0]), ml_dst.at[rows])
 
           @pl.when(wg == 1)
           def _():
             if not direct:
-              plgpu.copy_smem_to_gmem(stats.at[1], lse_dst.at[rows])
+              plgpu.copy_smem_to_gmem(used(stats.at[1]), lse_dst.at[rows])
             else:
-              store_decode_lse(plgpu, stats.at[1], lse_dst, t=t, h0=h0, count=BLOCK_H,
+              store_decode_lse(plgpu, stats.at[1], lse_dst, t=t, h0=h0, count=count,
                                query_len=query_len)
 
-        item_rows = functools.partial(copy_out, o_ref, ml_ref, lse_ref,
-                                      pl.ds(out_r0, BLOCK_H), direct_lse)
+        def item_rows():  # a ragged last head block writes its heads' rows alone
+          whole = functools.partial(copy_out, o_ref, ml_ref, lse_ref, out_r0)
+          if last_heads == BLOCK_H:
+            whole(BLOCK_H, direct_lse)
+          elif blocks == 1:
+            whole(last_heads, direct_lse)
+          else:
+            pl.when(h == blocks - 1)(lambda: whole(last_heads, direct_lse))
+            pl.when(h < blocks - 1)(lambda: whole(BLOCK_H, direct_lse))
+
         if share is None:
           item_rows()
         else:
           row = tail_row(tail, tokens, blocks, t, h, share)
           pl.when(share < 0)(item_rows)
           pl.when(share >= 0)(lambda: copy_out(
-              *tail_refs, pl.ds(row * BLOCK_H, BLOCK_H), False))
+              *tail_refs, row * BLOCK_H, BLOCK_H, False))
 
       steps = first[-1]
       if halves:
@@ -452,7 +483,10 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   if transposed(h_q):
     return mosaic_transposed.attend(q, sets, attn_sink, fmts=fmts, sm_scale=sm_scale,
                                     config=config, num_splits=num_splits, query_len=query_len)
-  if h_q % BLOCK_H:  # zero queries with -inf sinks in the padding heads, dropped after
+  tokens = q.shape[0]
+  ragged = h_q % BLOCK_H != 0 and ragged_heads(h_q, tokens, [idx for _, idx, _ in sets],
+                                               num_splits=num_splits, query_len=query_len)
+  if h_q % BLOCK_H and not ragged:  # zero queries, -inf sinks in the padding heads, dropped
     pad = cdiv(h_q, BLOCK_H) * BLOCK_H - h_q
     sink = None if attn_sink is None else jnp.pad(attn_sink.astype(jnp.float32), (0, pad),
                                                   constant_values=-jnp.inf)
@@ -474,6 +508,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
                                                           query_len=query_len, halves=halves)
   # Split parts are combined before the sinks apply: the kernel then runs without.
   sink = None if attn_sink is None or num_splits > 1 else attn_sink.astype(jnp.float32)
+  if sink is not None and ragged:  # the kernel loads a whole block's sinks
+    sink = jnp.pad(sink, (0, cdiv(h_q, BLOCK_H) * BLOCK_H - h_q), constant_values=-jnp.inf)
   direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h_q, s_q]
   inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_q, d_qk), sink)
 
@@ -496,7 +532,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # Without a pair or splits, one CTA per SM takes item after item: the producer
   # gathers the next item's first stage while the consumers finish the last one.
   persistent = not pair and num_splits == 1
-  items = tokens * (h_q // BLOCK_H)
+  items = tokens * cdiv(h_q, BLOCK_H)
   ctas = min(items, num_sms())
   tail = prefill_tail(items, ctas, all_indices, persistent=persistent, query_len=query_len)
   # A pair's producers store into both CTAs' stages: both CTAs' consumers free a stage.
@@ -536,7 +572,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # gather the same rows, which L2 then serves once; a pair's are one cluster.
   grid = ({"grid": (tokens, h_q // BLOCK_H // 2), "grid_names": ("t", "h"), "cluster": (2,),
            "cluster_names": ("c",)} if pair
-          else {"grid": (tokens, num_splits, h_q // BLOCK_H), "grid_names": ("t", "s", "h")}
+          else {"grid": (tokens, num_splits, cdiv(h_q, BLOCK_H)), "grid_names": ("t", "s", "h")}
           if num_splits > 1
           else {"grid": (ctas,), "grid_names": ("p",)})
   out, max_logits, lse, *tail_out = plgpu.kernel(
