@@ -91,6 +91,7 @@ V41_ROWS = {
 # GPU). FlashMLA takes only 64 or 128 heads: side by side it runs padded to 64 (zero
 # queries in the extra heads) and its first h_q heads are compared with ours.
 TP_ROWS = {
+    "decode_ds_b128_h8": Decode("fp8_ds_mla", 128, 2, 8, 2048, 64, None, None, 32768, None),
     "decode_ds_b128_h16": Decode("fp8_ds_mla", 128, 2, 16, 2048, 64, None, None, 32768, None),
     "decode_ds_b128_h32": Decode("fp8_ds_mla", 128, 2, 32, 2048, 64, None, None, 32768, None),
     # 48 heads: one 64-head block of the head-block kernel, read and written unpadded

@@ -132,12 +132,12 @@ def sparse_decode(impl):
                             extra_indices=extra[1], topk_length=jnp.asarray([100, 7], jnp.int32),
                             extra_topk_length=jnp.asarray([64, 3], jnp.int32),
                             implementation=impl)[0]
-  # One split at 16 and 20 (padded to 32) heads with sinks, no lengths, topk a multiple
-  # of 64: the kernel alone reads its sinks from GMEM and writes the LSE in FlashMLA's
-  # [b, h_q, s_q] layout itself (Mosaic GPU: transposed; at 48 heads the head-block
-  # kernel, whose query copy reads past the last token's heads and whose stores stop at
-  # them).
-  for h_q in (16, 20, 48):
+  # One split at 16, 20 (padded to 32), 8 and 48 heads with sinks, no lengths, topk a
+  # multiple of 64: the kernel alone reads its sinks from GMEM and writes the LSE in
+  # FlashMLA's [b, h_q, s_q] layout itself (Mosaic GPU: transposed; 48 heads on the
+  # head-block kernel; at 8 and 48 the last head block is unpadded: its query copy reads
+  # past the last token's heads and its stores stop at them).
+  for h_q in (16, 20, 8, 48):
     main, idx = cache(5, 64, 128, "fp8_ds_mla", 576)
     q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 576)) / 3, jnp.bfloat16)
     config = (dataclasses.replace(mosaic.default_config(resolve("fp8_ds_mla"), h_q),

@@ -221,6 +221,7 @@ MASKED_CASES = [
     ("fp8_model1", 3, 2, 128, 128, 3, 256, True, True, (192, 12, 64)),
     ("fp8_ds_mla", 3, 2, 16, 256, 11, 64, True, True, None),
     ("auto", 2, 2, 48, 128, 5, 61, True, True, (64, 40, 2)),
+    ("fp8_ds_mla", 3, 2, 24, 192, 10, 61, True, True, None),  # 24 of a 32-row tile
 ]
 
 
@@ -482,16 +483,17 @@ def test_prefill_kernels_lower(h_q, d_qk):
 
 
 def test_ragged_heads_read_as_they_are():
-  """Which head counts the head-block kernel takes unpadded (:func:`mosaic.ragged_heads`),
-  and that those lower with no copy of the query or the output around the kernel (only
-  the sinks are padded, to a whole block); runs without a GPU."""
+  """Which head counts the kernels take unpadded (:func:`mosaic.ragged_heads`, the
+  head-block kernel's 64-head blocks; the transposed kernel's 16- or 32-row tiles), and
+  that those lower with no copy of the query (a pad) or of the output (a bf16 slice)
+  around the kernel (only the sinks are padded, to a whole block); runs without a GPU."""
   idx = [jnp.zeros((8, 1024), jnp.int32)]
   assert mosaic.ragged_heads(48, 8, idx, num_splits=1, query_len=2)
   assert mosaic.ragged_heads(80, 8, idx, num_splits=3, query_len=2)
   assert mosaic.ragged_heads(48, 8, idx, num_splits=1, query_len=None)  # no tail: 8 items
   assert not mosaic.ragged_heads(100, 8, idx, num_splits=1, query_len=2)  # a block of 36
   assert not mosaic.ragged_heads(56, 1, idx, num_splits=1, query_len=1)  # under one box
-  tokens = _mosaic.num_sms() + 5  # a persistent prefill's tail shares: 64-row blocks
+  tokens = _mosaic.num_sms() + 5  # a persistent prefill's tail shares: whole blocks
   tail_idx = [jnp.zeros((tokens, 1024), jnp.int32)]
   assert not mosaic.ragged_heads(48, tokens, tail_idx, num_splits=1, query_len=None)
   assert mosaic.ragged_heads(48, tokens, tail_idx, num_splits=1, query_len=2)  # a decode
@@ -499,19 +501,24 @@ def test_ragged_heads_read_as_they_are():
   s = jax.ShapeDtypeStruct
   fmt = resolve("fp8_ds_mla")
 
-  def ops(h_q, tokens, sink):
+  def copies(h_q, tokens, sink=False, num_splits=1):
     text = lowers_for_cuda(
         lambda q, cache, idx, sink: mosaic.sparse_decode(
             q, [(cache, idx, None)], sink if sink.shape else None, fmts=(fmt,),
-            sm_scale=0.1, query_len=tokens // 2,
-            config=dataclasses.replace(mosaic.default_config(fmt, h_q), num_splits=1)),
+            sm_scale=0.1, query_len=tokens // 2, config=dataclasses.replace(
+                mosaic.default_config(fmt, h_q), num_splits=num_splits)),
         s((tokens, h_q, 576), jnp.bfloat16), s((8, 64, 656), jnp.uint8),
         s((tokens, 256), jnp.int32), s((h_q,) if sink else (), jnp.float32)).as_text()
-    return {op: len(re.findall(f"stablehlo.{op}\\b", text)) for op in ("pad", "slice")}
+    return (len(re.findall(r"stablehlo\.pad\b", text)),
+            len(re.findall(r"stablehlo\.slice\b.*bf16", text)))
 
-  assert ops(48, 4, sink=False) == {"pad": 0, "slice": 0}
-  assert ops(48, 4, sink=True) == {"pad": 1, "slice": 0}  # the sinks' (one split)
-  assert ops(100, 4, sink=False)["pad"] == 1  # the query's
+  assert copies(48, 4) == (0, 0)
+  assert copies(48, 4, sink=True) == (1, 0)  # the sinks'
+  assert copies(100, 4) == (1, 1)  # 36 heads in the last block: padded
+  assert copies(8, 4) == copies(24, 4) == (0, 0)  # transposed: 16- and 32-row tiles
+  assert copies(8, 4, sink=True) == (1, 0)
+  assert copies(20, 4) == (1, 1)  # 20 of a 32-row tile: padded
+  assert copies(8, 4, num_splits=3) == (1, 1)  # the split combine reads whole tiles
 
 
 def test_rejects_interpret():

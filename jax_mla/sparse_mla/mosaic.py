@@ -73,6 +73,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   prefill_tail,
   produce,
   produce_halves,
+  ragged_block,
   run_items,
   split_steps,
   store_decode_lse,
@@ -162,19 +163,12 @@ def transposed(h_q: int) -> bool:
 def ragged_heads(h_q: int, tokens: int, indices, *, num_splits: int,
                  query_len: int | None) -> bool:
   """Whether ``h_q`` heads (not a multiple of 64, above the transposed kernel's) run on
-  the head-block kernel as they are, not padded to a multiple of 64 by copies of the
-  query and the output. The last head block's query copy (a TMA box of 64 rows) then
-  reads the next token's first heads, or zeros past the array's end, into rows whose
-  results are never written; the block writes its own heads' rows alone, a whole
-  number of 8-row tiles. It needs the query array to hold one box, and no tail shares
-  (:func:`.mosaic_gather.prefill_tail`, whose results are kept in 64-row blocks) in a
-  persistent prefill. ``indices``: the key sets' ``[T, topk]``."""
-  blocks = cdiv(h_q, BLOCK_H)
-  if h_q % 8 or tokens * h_q < BLOCK_H:
-    return False
-  tail = prefill_tail(tokens * blocks, min(tokens * blocks, num_sms()), indices,
-                      persistent=num_splits == 1, query_len=query_len)
-  return tail[0] == 0
+  the head-block kernel unpadded (:func:`.mosaic_gather.ragged_block`); ``indices``: the
+  key sets' ``[T, topk]``."""
+  items = tokens * cdiv(h_q, BLOCK_H)
+  tail = prefill_tail(items, min(items, num_sms()), indices, persistent=num_splits == 1,
+                      query_len=query_len)
+  return ragged_block(h_q, BLOCK_H, tokens, tail)
 
 
 def default_config(fmt: Format | None, h_q: int = BLOCK_H) -> Config:

@@ -497,6 +497,18 @@ def prefill_tail(items: int, ctas: int, indices, *, persistent: bool,
   return tail_parts(items, ctas, sum(cdiv(i.shape[1], BLOCK_K) for i in indices))
 
 
+def ragged_block(h_q: int, heads: int, tokens: int, tail) -> bool:
+  """Whether a kernel of ``heads`` query rows a CTA takes ``h_q`` heads (not a multiple
+  of ``heads``) as they are, not padded to a multiple of ``heads`` by copies of the
+  query and the output around it. The last head block's query copy (a TMA box of
+  ``heads`` rows) then reads the next token's first heads, or zeros past the array's
+  end, into rows whose results are never written; the block writes its own heads' rows
+  alone, a whole number of 8-row tiles. That needs the query array to hold one box, and
+  no tail shares (``tail``, :func:`prefill_tail`), whose results are kept in whole
+  blocks."""
+  return (h_q % heads) % 8 == 0 and tokens * h_q >= heads and tail[0] == 0
+
+
 def tail_row(tail, tokens: int, blocks: int, t, h, share):
   """Row of the tail outputs for share ``share`` of tail item (token ``t``, head block
   ``h``): share ``j`` of tail item ``i`` at ``j * r + i``."""

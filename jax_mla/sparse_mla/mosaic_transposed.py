@@ -67,6 +67,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   load_sinks,
   prefill_tail,
   produce,
+  ragged_block,
   run_items,
   split_steps,
   store_decode_lse,
@@ -74,14 +75,17 @@ from jax_mla.sparse_mla.mosaic_gather import (
 )
 
 
-def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, gathers,
-            scale, tokens, splits, query_len, direct_lse, persistent, tail, early_rope):
+def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, q_rows, d_qk, config,
+            gathers, scale, tokens, splits, query_len, direct_lse, persistent, tail,
+            early_rope):
   """``len_ref`` (None: no set has lengths) and ``sink_ref`` (None: no sink) as
   :func:`.mosaic_gather.leading_inputs` gives them. ``refs``: the sets' indices, then
   their caches, then the outputs (``O``
-  ``[splits * T * h_pad, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
+  ``[splits * T * q_rows, 512]``, max logits and LSE ``[splits * T * blocks, max(heads,
   32)]``; split ``s`` writes part ``s``; with ``direct_lse``, the LSE is ``[T /
-  query_len, h_pad, query_len]``), the SMEM refs and the barriers. ``query_len``: the
+  query_len, q_rows, query_len]``), the SMEM refs and the barriers. ``q_rows``: the
+  query's and the output's rows a token, ``h_pad``, or ``h_q`` where the last head
+  block is read and written unpadded (:func:`.mosaic_gather.ragged_block`). ``query_len``: the
   tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request.
   ``persistent``: the grid is one CTA per SM (axis ``"p"``), each taking the (token,
   head block) items ``p, p + ctas, ...`` with its ring running on from one item into
@@ -100,6 +104,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
   rope_free = more.pop(0) if early_rope else None  # a slot's RoPE tile is read (S^T done)
   wg = lax.axis_index("wg")
   blocks = h_pad // heads
+  last_rows = q_rows - (blocks - 1) * heads  # the last head block's rows to store
   part = 0 if splits == 1 else lax.axis_index("s")
   has_rope = d_qk > D_MAIN
   consumers = config.consumers
@@ -111,7 +116,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     request = t if query_len is None else lax.div(t, query_len)
     first, base = split_steps(first_steps(len_ref, request, idx_refs, gathers),
                               splits if share is None else tail[1], share)
-    return t * h_pad + h * heads, request, first, base
+    return t * q_rows + h * heads, request, first, base
 
   def key_mask(slot):
     def apply(s):  # the producer wrote each key's validity beside the stage
@@ -127,7 +132,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
     consumer; with two, consumer 0 the max logits and consumer 1 the LSE. A tail
     item's share (``share >= 0``) goes to the tail outputs, its sink left to the
     combine."""
-    r0, h0 = t * h_pad + h * heads, h * heads
+    r0, h0 = t * q_rows + h * heads, h * heads
     owner = (lambda k: lambda f: f()) if consumers == 1 else (lambda k: pl.when(wg == k))
     sink = load_sinks(plgpu, sink_ref, h0, heads, _mosaic.col_layout(plgpu), share)
     inv, max_logits, lse = _mosaic.sink_epilogue(m, l, sink)
@@ -142,24 +147,30 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, d_qk, config, 
 
     plgpu.commit_smem()
 
-    def store(o_dst, o_row, ml_dst, lse_dst, row):
-      """O's rows ``o_row ..``, the max logits and LSE at row ``row`` of their outputs."""
+    def store(o_dst, o_row, ml_dst, lse_dst, row, count=heads):
+      """O's rows ``o_row ..`` (``count`` of them), the max logits and LSE at row
+      ``row`` of their outputs."""
       for half, _ in halves:
-        plgpu.copy_smem_to_gmem(q.at[half], o_dst.at[pl.ds(o_row, heads),
-                                                     pl.ds(half * HALF, HALF)])
+        o = q.at[half] if count == heads else q.at[half, pl.ds(0, count)]
+        plgpu.copy_smem_to_gmem(o, o_dst.at[pl.ds(o_row, count), pl.ds(half * HALF, HALF)])
       for k, ref in enumerate((ml_dst, lse_dst)):
 
         @owner(k)
         def _(k=k, ref=ref):
           if k == 1 and direct_lse:
-            store_decode_lse(plgpu, stats.at[k], ref, t=t, h0=h0, count=heads,
+            store_decode_lse(plgpu, stats.at[k], ref, t=t, h0=h0, count=count,
                              query_len=query_len)
           else:
             plgpu.copy_smem_to_gmem(stats.at[k], ref.at[row])
 
     def store_item():
-      store(o_ref, part * tokens * h_pad + r0, ml_ref, lse_ref,
-            (part * tokens + t) * blocks + h)
+      store_rows = functools.partial(store, o_ref, part * tokens * q_rows + r0, ml_ref,
+                                     lse_ref, (part * tokens + t) * blocks + h)
+      if last_rows == heads or blocks == 1:
+        store_rows(last_rows)
+      else:
+        pl.when(h == blocks - 1)(lambda: store_rows(last_rows))
+        pl.when(h < blocks - 1)(lambda: store_rows(heads))
 
     if share is None:
       store_item()
@@ -320,20 +331,6 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   gathers, lengths, all_indices, all_rows = kernel_inputs(
       sets, fmts, d_qk, early=early, query_len=query_len, early_rope=config.consumers == 1)
   early_rope = any(g.early_rope for g in gathers)
-  sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
-  if h_pad > h_q:  # zero queries with -inf sinks in the padding heads, dropped after
-    sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
-    q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
-  row = max(heads, _mosaic.MIN_VECTOR_ROW)
-  direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h, s_q]
-  # Split parts are combined before the sinks apply: the kernel then runs without.
-  inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_pad, d_qk),
-                                   sink if num_splits == 1 else None)
-
-  tiles = _mosaic.swizzled(plgpu)
-  rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
-  num_stages = config.num_stages
-  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, heads, num_stages)
   # One consumer, no splits, at most 16 heads a CTA: a CTA per SM takes item after item,
   # its producers gathering the next item's first stages while the consumer finishes
   # the last one, and the next query landing in a second buffer (190 of 227 KiB of
@@ -343,6 +340,27 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # slower (16 KiB more SMEM: fp8_ds_mla h16 154 -> 169 us); more L1 than 60 KiB gained
   # nothing (benchmarks/RESULTS.md, session 39).
   persistent = config.consumers == 1 and num_splits == 1 and heads <= 16
+  items = tokens * blocks
+  ctas = min(items, num_sms())
+  tail = prefill_tail(items, ctas, all_indices, persistent=persistent, query_len=query_len)
+  # The query's and the output's rows a token: h_q where the last head block goes
+  # unpadded (not with splits, whose combine reads whole blocks), else h_pad.
+  q_rows = h_q if num_splits == 1 and ragged_block(h_q, heads, tokens, tail) else h_pad
+  sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
+  if h_pad > h_q:  # -inf sinks in the padding heads (the kernel loads a block's sinks)
+    sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
+  if q_rows > h_q:  # zero queries in the padding heads, dropped after
+    q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
+  row = max(heads, _mosaic.MIN_VECTOR_ROW)
+  direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h, s_q]
+  # Split parts are combined before the sinks apply: the kernel then runs without.
+  inputs, restore = leading_inputs(lengths, q.reshape(tokens * q_rows, d_qk),
+                                   sink if num_splits == 1 else None)
+
+  tiles = _mosaic.swizzled(plgpu)
+  rope = max(d_qk - D_MAIN, TILE)  # d_qk 512: an unused 64-column stand-in
+  num_stages = config.num_stages
+  shared_smem, shared_barrier = _mosaic.shared_scratch(plgpu, heads, num_stages)
   q_buffers = 2 if persistent else 1
   smem = (
       plgpu.SMEM((q_buffers, 2, heads, HALF), jnp.bfloat16, transforms=tiles),
@@ -365,10 +383,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
          if persistent else ()) + (
       (plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),)  # a RoPE tile is read
       if early_rope else ())
-  items = tokens * blocks
-  ctas = min(items, num_sms())
-  tail = prefill_tail(items, ctas, all_indices, persistent=persistent, query_len=query_len)
-  kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, d_qk=d_qk,
+  kernel = functools.partial(_kernel, plgpu=plgpu, heads=heads, h_pad=h_pad, q_rows=q_rows,
+                             d_qk=d_qk,
                              config=config, gathers=gathers, scale=sm_scale * LOG2E,
                              tokens=tokens, splits=num_splits, query_len=query_len,
                              direct_lse=direct_lse, persistent=persistent, tail=tail,
@@ -380,9 +396,9 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
 
   n = num_splits * tokens
   shares = tail[0] * tail[1]
-  out_type = (jax.ShapeDtypeStruct((n * h_pad, D_MAIN), jnp.bfloat16),
+  out_type = (jax.ShapeDtypeStruct((n * q_rows, D_MAIN), jnp.bfloat16),
               jax.ShapeDtypeStruct((n * blocks, row), jnp.float32),
-              jax.ShapeDtypeStruct((tokens // query_len, h_pad, query_len) if direct_lse
+              jax.ShapeDtypeStruct((tokens // query_len, q_rows, query_len) if direct_lse
                                    else (n * blocks, row), jnp.float32))
   if shares:
     out_type += (jax.ShapeDtypeStruct((shares * heads, D_MAIN), jnp.bfloat16),
@@ -400,7 +416,7 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
     out, max_logits, lse = merge_mosaic.combine(
         out.reshape(num_splits, tokens * h_pad, D_MAIN), lse.reshape(num_splits, -1, row),
         max_logits.reshape(num_splits, -1, row), sink, heads=h_pad)
-  else:  # rows of `row`, the first `heads` used; a direct LSE is [b, h_pad, s_q] already
+  else:  # rows of `row`, the first `heads` used; a direct LSE is [b, q_rows, s_q] already
     max_logits = max_logits[:, :heads]
     lse = lse if direct_lse else lse[:, :heads]
   if shares:  # persistent CTAs take 16-head items, one a token: the last r tokens
@@ -409,4 +425,4 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   max_logits = max_logits.reshape(tokens, h_pad)[:, :h_q]
   lse = (lse[:, :h_q] if direct_lse
          else decode_lse(lse.reshape(tokens, h_pad)[:, :h_q], query_len))
-  return out.reshape(tokens, h_pad, D_MAIN)[:, :h_q], max_logits, lse
+  return out.reshape(tokens, q_rows, D_MAIN)[:, :h_q], max_logits, lse
