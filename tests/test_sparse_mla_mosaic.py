@@ -2,10 +2,10 @@
 
 Mosaic GPU has no interpreter, so the kernel tests need a Hopper GPU
 (``@pytest.mark.gpu``); the input checks run anywhere. Head counts up to 32 that are
-not 64 (8, 16, 20, 24, 32) run the transposed kernel (mosaic_transposed.py), padded to
-a multiple of 16; the others the head-block kernel (mosaic.py): a last head block of
-fewer than 64 heads as they are (48, 80; ``mosaic.ragged_heads``), or padded to 64
-(100, a block of 36).
+not 64 (8, 16, 20, 24, 32) run the transposed kernel (mosaic_transposed.py) in tiles of
+16 or 32 rows; the others the head-block kernel (mosaic.py) in blocks of 64 heads. A
+last tile or block of fewer heads goes as it is where they are a multiple of 8 (8, 24,
+48, 80; ``mosaic_gather.ragged_block``), else padded (20 to 32, 100 to 128).
 """
 
 import dataclasses

@@ -34,8 +34,9 @@ stages in turns:
   heads is read and written as it is where :func:`ragged_heads` allows (48 or 80 heads:
   no copy of the query or the output around the kernel), else padded with zero queries
   (``-inf`` sinks) to a multiple of 64. Each CTA gathers all of its token's rows, so
-  fewer CTAs gather less (H100, fp8_ds_mla b128 s_q 2 topk 2048: h 48 in two transposed 32-head CTAs
-  472.7 us, padded to one 64-head CTA 255.6 us; h 32 transposed 252.7 us).
+  fewer CTAs gather less (H100, fp8_ds_mla b128 s_q 2 topk 2048: h 48 in two
+  transposed 32-head CTAs 472.7 us, padded to one 64-head CTA 255.6 us; h 32
+  transposed 252.7 us; h 48 unpadded 201.6-203.3 us, session 42).
 
 Shapes: any ``h_q``; everything else the public functions take: prefill ``d_qk`` 576
 or 512, decode in every cache format, with or without the extra set.

@@ -85,8 +85,9 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, q_rows, d_qk, 
   32)]``; split ``s`` writes part ``s``; with ``direct_lse``, the LSE is ``[T /
   query_len, q_rows, query_len]``), the SMEM refs and the barriers. ``q_rows``: the
   query's and the output's rows a token, ``h_pad``, or ``h_q`` where the last head
-  block is read and written unpadded (:func:`.mosaic_gather.ragged_block`). ``query_len``: the
-  tokens are a decode's ``[b, query_len]`` queries, whose lengths are per request.
+  block is read and written unpadded (:func:`.mosaic_gather.ragged_block`).
+  ``query_len``: the tokens are a decode's ``[b, query_len]`` queries, whose lengths are
+  per request.
   ``persistent``: the grid is one CTA per SM (axis ``"p"``), each taking the (token,
   head block) items ``p, p + ctas, ...`` with its ring running on from one item into
   the next (:func:`.mosaic_gather.run_items`); ``tail`` ``(r, parts)``: its last ``r``
