@@ -63,6 +63,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   D_MAIN,
   HALF,
   TILE,
+  block_rows,
   combine_tail,
   decode_lse,
   dequantized,
@@ -71,6 +72,7 @@ from jax_mla.sparse_mla.mosaic_gather import (
   kernel_inputs,
   leading_inputs,
   load_sinks,
+  padded_sinks,
   prefill_tail,
   produce,
   produce_halves,
@@ -385,14 +387,8 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, h_q, d_qk, config, gathers, 
                                query_len=query_len)
 
         def item_rows():  # a ragged last head block writes its heads' rows alone
-          whole = functools.partial(copy_out, o_ref, ml_ref, lse_ref, out_r0)
-          if last_heads == BLOCK_H:
-            whole(BLOCK_H, direct_lse)
-          elif blocks == 1:
-            whole(last_heads, direct_lse)
-          else:
-            pl.when(h == blocks - 1)(lambda: whole(last_heads, direct_lse))
-            pl.when(h < blocks - 1)(lambda: whole(BLOCK_H, direct_lse))
+          block_rows(lambda count: copy_out(o_ref, ml_ref, lse_ref, out_r0, count,
+                                            direct_lse), h, blocks, BLOCK_H, last_heads)
 
         if share is None:
           item_rows()
@@ -483,8 +479,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
                                                num_splits=num_splits, query_len=query_len)
   if h_q % BLOCK_H and not ragged:  # zero queries, -inf sinks in the padding heads, dropped
     pad = cdiv(h_q, BLOCK_H) * BLOCK_H - h_q
-    sink = None if attn_sink is None else jnp.pad(attn_sink.astype(jnp.float32), (0, pad),
-                                                  constant_values=-jnp.inf)
+    sink = padded_sinks(None if attn_sink is None else attn_sink.astype(jnp.float32),
+                        h_q + pad)
     out, max_logits, lse = attend(jnp.pad(q, ((0, 0), (0, pad), (0, 0))), sets, sink,
                                   fmts=fmts, sm_scale=sm_scale, config=config,
                                   num_splits=num_splits, query_len=query_len)
@@ -503,8 +499,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
                                                           query_len=query_len, halves=halves)
   # Split parts are combined before the sinks apply: the kernel then runs without.
   sink = None if attn_sink is None or num_splits > 1 else attn_sink.astype(jnp.float32)
-  if sink is not None and ragged:  # the kernel loads a whole block's sinks
-    sink = jnp.pad(sink, (0, cdiv(h_q, BLOCK_H) * BLOCK_H - h_q), constant_values=-jnp.inf)
+  if ragged:  # the kernel loads a whole block's sinks
+    sink = padded_sinks(sink, cdiv(h_q, BLOCK_H) * BLOCK_H)
   direct_lse = query_len is not None and num_splits == 1  # the kernel writes [b, h_q, s_q]
   inputs, restore = leading_inputs(lengths, q.reshape(tokens * h_q, d_qk), sink)
 

@@ -154,6 +154,14 @@ def decode_lse(lse, query_len: int | None):
   return lse.reshape(-1, query_len, lse.shape[1]).transpose(0, 2, 1)
 
 
+def padded_sinks(sink, heads: int):
+  """``sink`` (float32 ``[h_q]``, or None: no sink) with ``-inf`` for the padding heads
+  up to ``heads``: their sinks change nothing."""
+  if sink is None or sink.shape[0] == heads:
+    return sink
+  return jnp.pad(sink, (0, heads - sink.shape[0]), constant_values=-jnp.inf)
+
+
 def load_sinks(plgpu, sink_ref, h0, count: int, layout, share=None):
   """The sinks of heads ``h0 .. h0 + count - 1`` from GMEM ``sink_ref`` (None: no sink)
   in ``layout``, for :func:`jax_mla._mosaic.sink_epilogue` (a few floats: no TMA). A
@@ -507,6 +515,17 @@ def ragged_block(h_q: int, heads: int, tokens: int, tail) -> bool:
   no tail shares (``tail``, :func:`prefill_tail`), whose results are kept in whole
   blocks."""
   return (h_q % heads) % 8 == 0 and tokens * h_q >= heads and tail[0] == 0
+
+
+def block_rows(store, h, blocks: int, heads: int, last: int):
+  """``store(count)`` for head block ``h`` (traced) of ``blocks``: the rows it writes,
+  ``last`` for the last block (fewer than ``heads`` where it goes unpadded,
+  :func:`ragged_block`), else ``heads``."""
+  if last == heads or blocks == 1:
+    store(last)
+  else:
+    pl.when(h == blocks - 1)(lambda: store(last))
+    pl.when(h < blocks - 1)(lambda: store(heads))
 
 
 def tail_row(tail, tokens: int, blocks: int, t, h, share):

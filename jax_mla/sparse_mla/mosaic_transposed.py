@@ -59,12 +59,14 @@ from jax_mla.sparse_mla.mosaic_gather import (
   EARLY_MIN_REGISTERS,
   HALF,
   TILE,
+  block_rows,
   combine_tail,
   decode_lse,
   first_steps,
   kernel_inputs,
   leading_inputs,
   load_sinks,
+  padded_sinks,
   prefill_tail,
   produce,
   ragged_block,
@@ -167,11 +169,7 @@ def _kernel(len_ref, q_ref, sink_ref, *refs, plgpu, heads, h_pad, q_rows, d_qk, 
     def store_item():
       store_rows = functools.partial(store, o_ref, part * tokens * q_rows + r0, ml_ref,
                                      lse_ref, (part * tokens + t) * blocks + h)
-      if last_rows == heads or blocks == 1:
-        store_rows(last_rows)
-      else:
-        pl.when(h == blocks - 1)(lambda: store_rows(last_rows))
-        pl.when(h < blocks - 1)(lambda: store_rows(heads))
+      block_rows(store_rows, h, blocks, heads, last_rows)
 
     if share is None:
       store_item()
@@ -347,9 +345,8 @@ def attend(q, sets, attn_sink, *, fmts, sm_scale, config, num_splits: int = 1,
   # The query's and the output's rows a token: h_q where the last head block goes
   # unpadded (not with splits, whose combine reads whole blocks), else h_pad.
   q_rows = h_q if num_splits == 1 and ragged_block(h_q, heads, tokens, tail) else h_pad
-  sink = None if attn_sink is None else attn_sink.astype(jnp.float32)
-  if h_pad > h_q:  # -inf sinks in the padding heads (the kernel loads a block's sinks)
-    sink = None if sink is None else jnp.pad(sink, (0, h_pad - h_q), constant_values=-jnp.inf)
+  # The kernel loads a whole block's sinks: -inf in the padding heads.
+  sink = padded_sinks(None if attn_sink is None else attn_sink.astype(jnp.float32), h_pad)
   if q_rows > h_q:  # zero queries in the padding heads, dropped after
     q = jnp.pad(q, ((0, 0), (0, h_pad - h_q), (0, 0)))
   row = max(heads, _mosaic.MIN_VECTOR_ROW)
