@@ -1,20 +1,25 @@
 """The torch bridge inside a torch model: a decode step of many layers, each a torch
 projection, sparse fp8_ds_mla decode attention, and a torch output projection.
 
-  PYTHONPATH=$PWD python3 -m benchmarks.bench_bridge_model_loop [--layers 30] [--profile]
+  PYTHONPATH=$PWD python3 -m benchmarks.bench_bridge_model_loop [--layers 30] [--heads 16]
+      [--profile]
 
 Each layer has its own cache (caches cross the bridge once) and shares the two
 weights. The attention is, per mode:
 
 * ``torch only``: no attention (the projections alone: the floor);
 * ``FlashMLA``: FlashMLA's ``flash_mla_with_kvcache`` (where ``flash_mla`` imports,
-  benchmarks/flashmla_peer.py);
+  benchmarks/flashmla_peer.py); below its 64 heads (``--heads 16``: tensor parallelism
+  8 of DeepSeek V3.2's 128) the query is padded to 64 heads and the first ones kept, as
+  vLLM's FlashMLA sparse backend does;
 * ``bridge``: ``torch_bridge.ops.flash_mla_with_kvcache``, the same call on jax_mla
   (its Mosaic GPU kernel launched directly on torch's stream where it runs on Hopper);
 * ``bridge PJRT``: the same with direct launch off (``set_direct_launch(False)``):
   DLPack hand-offs and a jitted dispatch per call;
 * ``JAX``: the same step written in JAX (``jax_mla.sparse_mla_decode`` and jnp
-  projections, one jit per layer call): what the kernels cost without the bridge.
+  projections, one jit per layer call): what the kernels cost without the bridge;
+* ``JAX, one jit``: the whole step (every layer) in one jitted program, as a JAX model
+  runs it: no host work between layers.
 
 Each step's time is host wall time from its first launch until the GPU is idle, per
 layer; the median of many steps. "bridge adds" = bridge - JAX (the hand-offs, with
@@ -43,11 +48,12 @@ import torch
 
 from benchmarks import flashmla_peer
 from benchmarks.harness import SMOKE, Row
-from jax_mla import sparse_mla_decode
+from jax_mla import set_l2_fetch_granularity, sparse_mla_decode
 from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla
 from torch_bridge import ops, set_direct_launch, to_torch
 
-H_Q, D_QK, D_V, BLOCK = 128, 576, 512, 64
+D_QK, D_V, BLOCK = 576, 512, 64
+FLASHMLA_HEADS = 64  # the fewest query heads FlashMLA's Hopper kernels take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,7 @@ class Loop:
   hidden: int = 1024
   tokens: int = 4096  # cache slots per request
   topk: int = 2048
+  heads: int = 128  # query heads on this GPU (16: DeepSeek V3.2 under tensor parallelism 8)
 
 
 SMOKE_LOOP = dict(layers=2, hidden=64, tokens=128, topk=32)  # tiny, on the CPU
@@ -82,19 +89,22 @@ def _inputs(loop: Loop, device):
     indices.append(start * loop.tokens + torch.randint(
         0, loop.tokens, (loop.batch, 1, loop.topk), generator=g, device=device,
         dtype=torch.int32))
-  w_q = torch.randn(loop.hidden, H_Q * D_QK, generator=g, device=device,
+  h = loop.heads
+  w_q = torch.randn(loop.hidden, h * D_QK, generator=g, device=device,
                     dtype=torch.bfloat16) / loop.hidden ** 0.5
-  w_o = torch.randn(H_Q * D_V, loop.hidden, generator=g, device=device,
-                    dtype=torch.bfloat16) / (H_Q * D_V) ** 0.5
+  w_o = torch.randn(h * D_V, loop.hidden, generator=g, device=device,
+                    dtype=torch.bfloat16) / (h * D_V) ** 0.5
   x = torch.randn(loop.batch, loop.hidden, generator=g, device=device, dtype=torch.bfloat16)
   return storage, caches, indices, w_q, w_o, x
 
 
 def _torch_step(attention, caches, indices, w_q, w_o, b):
   """One decode step in torch; ``attention(layer, q)`` -> ``[b, 1, h, d_v]`` or None."""
+  h = w_q.shape[1] // D_QK
+
   def step(x, marks=None):
     for layer in range(len(caches)):
-      q = (x @ w_q).view(b, 1, H_Q, D_QK)
+      q = (x @ w_q).view(b, 1, h, D_QK)
       o = attention(layer, q)
       x = x + (q[..., :D_V] if o is None else o).reshape(b, -1) @ w_o
       if marks is not None:
@@ -103,23 +113,42 @@ def _torch_step(attention, caches, indices, w_q, w_o, b):
   return step
 
 
-def _jax_step(caches, indices, w_q, w_o, b):
-  """The same step in JAX on the same arrays (one jitted layer, called per layer)."""
+def _flashmla_padded(attention, h):
+  """``attention(layer, q)`` for ``h`` heads on a kernel that takes at least 64: the query
+  padded with zero heads, the first ``h`` outputs kept."""
+  if h >= FLASHMLA_HEADS:
+    return attention
+  pad = FLASHMLA_HEADS - h
+  return lambda layer, q: attention(layer, torch.nn.functional.pad(q, (0, 0, 0, pad)))[:, :, :h]
+
+
+def _jax_steps(caches, indices, w_q, w_o, b):
+  """The same step in JAX on the same arrays: ``(one jitted layer called per layer, the
+  whole step jitted)``."""
   jcaches = [jax.dlpack.from_dlpack(c.view(torch.uint8).squeeze(2)) for c in caches]
   jidx = [jax.dlpack.from_dlpack(i) for i in indices]
   jw_q, jw_o = jax.dlpack.from_dlpack(w_q), jax.dlpack.from_dlpack(w_o)
+  h = jw_q.shape[1] // D_QK
 
-  @jax.jit
   def layer(x, cache, idx):
-    q = (x @ jw_q).reshape(b, 1, H_Q, D_QK)
+    q = (x @ jw_q).reshape(b, 1, h, D_QK)
     o, _ = sparse_mla_decode(q, cache, idx, kv_cache_dtype="fp8_ds_mla")
     return x + o.reshape(b, -1) @ jw_o
 
+  jitted_layer = jax.jit(layer)
+
   def step(x):
     for c, i in zip(jcaches, jidx, strict=True):
+      x = jitted_layer(x, c, i)
+    return x
+
+  @jax.jit
+  def whole(x, caches, indices):
+    for c, i in zip(caches, indices, strict=True):
       x = layer(x, c, i)
     return x
-  return step
+
+  return step, lambda x: whole(x, jcaches, jidx)
 
 
 def _through_pjrt(step):
@@ -199,10 +228,10 @@ def measure(loop: Loop, steps=20, profile=False):
   fm = flashmla_peer.load()
   if fm is not None:
     meta_fm = [fm.get_mla_metadata()[0] for _ in caches]
-    modes["FlashMLA"] = _torch_step(
+    modes["FlashMLA"] = _torch_step(_flashmla_padded(
         lambda layer, q: fm.flash_mla_with_kvcache(
             q, caches[layer], None, None, D_V, meta_fm[layer], is_fp8_kvcache=True,
-            indices=indices[layer])[0], caches, indices, w_q, w_o, b)
+            indices=indices[layer])[0], loop.heads), caches, indices, w_q, w_o, b)
   out = {}
   for name, step in modes.items():
     us = _time_steps(step, x, sync, steps) / loop.layers
@@ -219,11 +248,12 @@ def measure(loop: Loop, steps=20, profile=False):
       us = _graphed_us(modes[name], x, steps) / loop.layers
       out[f"{name}, CUDA graph"] = (us, None, None)
       print(f"b {b:3d} {name + ', CUDA graph':11s} {us:8.1f} us/layer", flush=True)
-  jstep = _jax_step(caches, indices, w_q, w_o, b)
   jx = jax.dlpack.from_dlpack(x)
-  us = _time_steps(lambda x: jax.block_until_ready(jstep(x)), jx, lambda: None, steps)
-  out["JAX"] = (us / loop.layers, None, None)
-  print(f"b {b:3d} {'JAX':11s} {us / loop.layers:8.1f} us/layer", flush=True)
+  for name, jstep in zip(("JAX", "JAX, one jit"), _jax_steps(caches, indices, w_q, w_o, b),
+                         strict=True):
+    us = _time_steps(lambda x, f=jstep: jax.block_until_ready(f(x)), jx, lambda: None, steps)
+    out[name] = (us / loop.layers, None, None)
+    print(f"b {b:3d} {name:11s} {us / loop.layers:8.1f} us/layer", flush=True)
   if profile:
     prof = cProfile.Profile()
     prof.enable()
@@ -235,17 +265,19 @@ def measure(loop: Loop, steps=20, profile=False):
   return out
 
 
-def run(batches=(4, 64)) -> list[Row]:
+def run(batches=(4, 64), heads=128) -> list[Row]:
   """Per-layer time of the bridge loop against FlashMLA's (where it imports) and against
   the same step in JAX."""
   dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
   rows = []
   for b in batches:
-    loop = Loop(b, **SMOKE_LOOP) if SMOKE else Loop(b)
+    loop = Loop(b, heads=heads, **SMOKE_LOOP) if SMOKE else Loop(b, heads=heads)
     res = measure(loop, steps=2 if SMOKE else 20)
     bridge = res["bridge"][0]
     rows.append(Row("bridge model loop", f"b{b} vs JAX step", bridge, bridge, "us",
                     res["JAX"][0], "same step in JAX", dev))
+    rows.append(Row("bridge model loop", f"b{b} vs JAX step in one jit", bridge, bridge, "us",
+                    res["JAX, one jit"][0], "same step in one JAX program", dev))
     rows.append(Row("bridge model loop", f"b{b} vs bridge through PJRT", bridge, bridge, "us",
                     res["bridge PJRT"][0], "bridge, direct launch off", dev))
     if "FlashMLA" in res:
@@ -258,13 +290,22 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--layers", type=int, default=30)
   p.add_argument("--batches", default="4,64")
+  p.add_argument("--heads", type=int, default=128,
+                 help="query heads a GPU holds (16 or 32: DeepSeek V3.2 under TP 8 or 4)")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--profile", action="store_true")
+  p.add_argument("--l2-fetch-granularity", type=int, default=None,
+                 help="set the process's CUDA L2 fetch granularity first (32, 64, 128 "
+                      "bytes; jax_mla.set_l2_fetch_granularity)")
   args = p.parse_args()
   print(torch.cuda.get_device_name(), "jax", jax.__version__, "torch", torch.__version__)
+  if args.l2_fetch_granularity is not None:
+    set_l2_fetch_granularity(args.l2_fetch_granularity)
+    print(f"L2 fetch granularity: {args.l2_fetch_granularity} bytes", flush=True)
   for b in (int(v) for v in args.batches.split(",")):
-    res = measure(Loop(b, layers=args.layers), steps=args.steps, profile=args.profile)
-    for name in ("FlashMLA", "JAX"):
+    res = measure(Loop(b, layers=args.layers, heads=args.heads), steps=args.steps,
+                  profile=args.profile)
+    for name in ("FlashMLA", "JAX", "JAX, one jit"):
       if name in res:
         print(f"b {b}: bridge adds {res['bridge'][0] - res[name][0]:+.1f} us/layer over {name}")
     if "FlashMLA, CUDA graph" in res:

@@ -31,6 +31,7 @@ from jax_mla.indexing import (
     filter_prefill_indices,
     req_id_per_token,
 )
+from jax_mla.l2_fetch import l2_fetch_granularity, set_l2_fetch_granularity
 from jax_mla.merge import lse2_to_lse, merge_attn_states
 from jax_mla.paged import paged_attention
 from jax_mla.sparse_mla import sparse_mla_decode, sparse_mla_prefill
@@ -39,10 +40,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP8_E4M3_MAX", "concat_and_cache_mla", "convert_req_index_to_global_index",
-    "dequantize_fp4_v41", "dequantize_fp8_ds_mla", "dequantize_fp8_model1",
-    "dequantize_fp8_v41", "expand_page_indices", "filter_prefill_indices", "kv_cache_shape",
+    "dequantize_fp4_v41", "dequantize_fp8_ds_mla", "dequantize_fp8_model1", "dequantize_fp8_v41",
+    "expand_page_indices", "filter_prefill_indices", "kv_cache_shape", "l2_fetch_granularity",
     "lse2_to_lse", "merge_attn_states", "mla_decode", "mla_decode_paged", "mla_prefill",
     "mla_ragged_paged_attention", "paged_attention", "quantize_fp4_v41", "quantize_fp8_ds_mla",
-    "quantize_fp8_model1", "quantize_fp8_v41", "req_id_per_token", "sparse_mla_decode",
-    "sparse_mla_prefill",
+    "quantize_fp8_model1", "quantize_fp8_v41", "req_id_per_token", "set_l2_fetch_granularity",
+    "sparse_mla_decode", "sparse_mla_prefill",
 ]
