@@ -26,7 +26,7 @@ import jax
 
 # cuda.h: CUlimit.CU_LIMIT_MAX_L2_FETCH_GRANULARITY
 _LIMIT = 0x05
-GRANULARITIES = (32, 64, 128)  # bytes; CUDA takes 0-128 as a hint, these are the H100's
+GRANULARITIES = (32, 64, 128)  # bytes (CUDA takes 0-128 as a hint; 64 is the H100 default)
 
 
 @functools.cache
