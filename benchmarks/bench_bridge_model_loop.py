@@ -47,13 +47,12 @@ import jax.numpy as jnp
 import torch
 
 from benchmarks import flashmla_peer
-from benchmarks.harness import SMOKE, Row
+from benchmarks.harness import SMOKE, Row, check_close
 from jax_mla import set_l2_fetch_granularity, sparse_mla_decode
 from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla
 from torch_bridge import ops, set_direct_launch, to_torch
 
 D_QK, D_V, BLOCK = 576, 512, 64
-FLASHMLA_HEADS = 64  # the fewest query heads FlashMLA's Hopper kernels take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +115,9 @@ def _torch_step(attention, caches, indices, w_q, w_o, b):
 def _flashmla_padded(attention, h):
   """``attention(layer, q)`` for ``h`` heads on a kernel that takes at least 64: the query
   padded with zero heads, the first ``h`` outputs kept."""
-  if h >= FLASHMLA_HEADS:
+  if h >= flashmla_peer.HEADS:
     return attention
-  pad = FLASHMLA_HEADS - h
+  pad = flashmla_peer.HEADS - h
   return lambda layer, q: attention(layer, torch.nn.functional.pad(q, (0, 0, 0, pad)))[:, :, :h]
 
 
@@ -216,10 +215,13 @@ def measure(loop: Loop, steps=20, profile=False):
   storage, caches, indices, w_q, w_o, x = _inputs(loop, device)  # storage: the caches' memory
   b = loop.batch
   meta_bridge = [ops.get_mla_metadata()[0] for _ in caches]
-  bridge = _torch_step(
-      lambda layer, q: ops.flash_mla_with_kvcache(
-          q, caches[layer], None, None, D_V, meta_bridge[layer], is_fp8_kvcache=True,
-          indices=indices[layer])[0], caches, indices, w_q, w_o, b)
+
+  def bridge_attention(layer, q):
+    return ops.flash_mla_with_kvcache(
+        q, caches[layer], None, None, D_V, meta_bridge[layer], is_fp8_kvcache=True,
+        indices=indices[layer])[0]
+
+  bridge = _torch_step(bridge_attention, caches, indices, w_q, w_o, b)
   modes = {
       "torch only": _torch_step(lambda layer, q: None, caches, indices, w_q, w_o, b),
       "bridge": bridge,
@@ -228,10 +230,14 @@ def measure(loop: Loop, steps=20, profile=False):
   fm = flashmla_peer.load()
   if fm is not None:
     meta_fm = [fm.get_mla_metadata()[0] for _ in caches]
-    modes["FlashMLA"] = _torch_step(_flashmla_padded(
+    fm_attention = _flashmla_padded(
         lambda layer, q: fm.flash_mla_with_kvcache(
             q, caches[layer], None, None, D_V, meta_fm[layer], is_fp8_kvcache=True,
-            indices=indices[layer])[0], loop.heads), caches, indices, w_q, w_o, b)
+            indices=indices[layer])[0], loop.heads)
+    q = (x @ w_q).view(b, 1, loop.heads, D_QK)  # the outputs agree before any timing
+    check_close(f"b {b}: bridge vs FlashMLA attention out",
+                *(f(0, q).float().cpu().numpy() for f in (bridge_attention, fm_attention)))
+    modes["FlashMLA"] = _torch_step(fm_attention, caches, indices, w_q, w_o, b)
   out = {}
   for name, step in modes.items():
     us = _time_steps(step, x, sync, steps) / loop.layers

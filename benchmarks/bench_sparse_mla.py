@@ -106,7 +106,6 @@ SMALL_ROWS = {
     "decode_ds_b4": Decode("fp8_ds_mla", 4, 1, 128, 2048, 64, None, None, 32768, None),
     "decode_ds_b16": Decode("fp8_ds_mla", 16, 1, 128, 2048, 64, None, None, 32768, None),
 }
-FLASHMLA_HEADS = 64  # the fewest FlashMLA's Hopper kernels take
 # Not an anchor row: decode_ds_b128 on a 1 GiB cache (CLI only, --rows).
 EXTRA_ROWS = {
     "decode_ds_b128_1g": Decode("fp8_ds_mla", 128, 2, 128, 2048, 64, None, None, 16384, 395.0),
@@ -280,7 +279,7 @@ def _prefill_call(spec: Prefill, **kw):
 def _padded_heads(spec, sets):
   """``sets`` with the queries (and sinks) padded to FlashMLA's 64 heads (zero queries,
   ``-inf`` sinks), and the function that keeps the first ``h_q`` heads of its outputs."""
-  pad = FLASHMLA_HEADS - spec.h_q
+  pad = flashmla_peer.HEADS - spec.h_q
   if pad <= 0:
     return sets, None
   head_axis = 1 if isinstance(spec, Prefill) else 2
