@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import torch
 
 from benchmarks import flashmla_peer
-from benchmarks.harness import SMOKE, Row, check_close
-from jax_mla import set_l2_fetch_granularity, sparse_mla_decode
+from benchmarks.harness import SMOKE, Row, add_l2_fetch_option, apply_l2_fetch, check_close
+from jax_mla import sparse_mla_decode
 from jax_mla.cache import kv_cache_shape, quantize_fp8_ds_mla
 from torch_bridge import ops, set_direct_launch, to_torch
 
@@ -300,14 +300,10 @@ def main():
                  help="query heads a GPU holds (16 or 32: DeepSeek V3.2 under TP 8 or 4)")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--profile", action="store_true")
-  p.add_argument("--l2-fetch-granularity", type=int, default=None,
-                 help="set the process's CUDA L2 fetch granularity first (32, 64, 128 "
-                      "bytes; jax_mla.set_l2_fetch_granularity)")
+  add_l2_fetch_option(p)
   args = p.parse_args()
   print(torch.cuda.get_device_name(), "jax", jax.__version__, "torch", torch.__version__)
-  if args.l2_fetch_granularity is not None:
-    set_l2_fetch_granularity(args.l2_fetch_granularity)
-    print(f"L2 fetch granularity: {args.l2_fetch_granularity} bytes", flush=True)
+  apply_l2_fetch(args)
   for b in (int(v) for v in args.batches.split(",")):
     res = measure(Loop(b, layers=args.layers, heads=args.heads), steps=args.steps,
                   profile=args.profile)

@@ -27,9 +27,19 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import flashmla_peer
-from benchmarks.harness import Row, check_close, device_name, n_sets, print_table, rel_err, time_us
+from benchmarks.harness import (
+  Row,
+  add_l2_fetch_option,
+  apply_l2_fetch,
+  check_close,
+  device_name,
+  n_sets,
+  print_table,
+  rel_err,
+  time_us,
+)
 from benchmarks.sanitize import QUANTIZE
-from jax_mla import _mosaic, set_l2_fetch_granularity
+from jax_mla import _mosaic
 from jax_mla.cache import (
   kv_cache_shape,
   kv_cache_storage_dtype,
@@ -428,14 +438,10 @@ def main():
                   help="only the rows timed beside FlashMLA (benchmarks/flashmla_peer.py)")
   ap.add_argument("--small", action="store_true",
                   help="--check on small shapes (for compute-sanitizer runs)")
-  ap.add_argument("--l2-fetch-granularity", type=int, default=None,
-                  help="set the process's CUDA L2 fetch granularity first (32, 64, 128 "
-                       "bytes; jax_mla.set_l2_fetch_granularity)")
+  add_l2_fetch_option(ap)
   args = ap.parse_args()
   print(device_name(), jax.__version__, flush=True)
-  if args.l2_fetch_granularity is not None:
-    set_l2_fetch_granularity(args.l2_fetch_granularity)
-    print(f"L2 fetch granularity: {args.l2_fetch_granularity} bytes", flush=True)
+  apply_l2_fetch(args)
   ok = True
   if args.check or args.small:
     ok = check(small=args.small)

@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 
+from jax_mla import set_l2_fetch_granularity
 from jax_mla.testing import rel_err
 
 SMOKE = os.environ.get("JAX_MLA_BENCH_SMOKE") == "1"
@@ -46,6 +47,20 @@ class Row:
 def device_name() -> str:
   d = jax.devices()[0]
   return getattr(d, "device_kind", str(d))
+
+
+def add_l2_fetch_option(parser) -> None:
+  """``--l2-fetch-granularity`` on a benchmark's command line (:func:`apply_l2_fetch`)."""
+  parser.add_argument("--l2-fetch-granularity", type=int, default=None,
+                      help="set the process's CUDA L2 fetch granularity first (32, 64, 128 "
+                           "bytes; jax_mla.set_l2_fetch_granularity)")
+
+
+def apply_l2_fetch(args) -> None:
+  """Sets the L2 fetch granularity that :func:`add_l2_fetch_option` read, if given."""
+  if args.l2_fetch_granularity is not None:
+    set_l2_fetch_granularity(args.l2_fetch_granularity)
+    print(f"L2 fetch granularity: {args.l2_fetch_granularity} bytes", flush=True)
 
 
 def check_close(name: str, out, ref, tol: float = 1e-2) -> float:
